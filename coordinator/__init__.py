@@ -1,0 +1,1 @@
+"""The cluster: rank actors, rendezvous, agreed block counts, health, KV migration."""

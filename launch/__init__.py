@@ -1,0 +1,1 @@
+"""The command line and the set-up the README names."""

@@ -1,0 +1,258 @@
+"""The oracle: a request served from cached blocks equals the same request computed from scratch.
+
+"From scratch" is the same engine on a fresh manager, where nothing can be
+reused. Every other path (full-block reuse, partial reuse in place or copied,
+blocks offloaded to the host tier and onboarded again, batches) must give the
+same last-prompt logits (``torch.allclose`` with ``ATOL``/``RTOL``: the paths
+differ only in the order of float32 sums, the K/V themselves go through the
+same pool dtype either way) and the same greedy tokens.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker import CacheConfig, KVCacheManager, OutOfBlocksError, Request
+from worker.engine import ReferenceEngine, ServeResult
+from worker.tokenizer import VOCAB_SIZE
+
+ATOL = RTOL = 1e-4
+T = 4
+# The CUDA cases join where a GPU exists; CI has none, and runs them on the lent GPU machine.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def make_config(**overrides: object) -> CacheConfig:
+    base: dict[str, object] = dict(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=16,
+                                   dtype=torch.float32, device="cpu", num_primary_blocks=64)
+    base.update(overrides)
+    return CacheConfig(**base)  # type: ignore[arg-type]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+_ids = iter(range(1, 1_000_000))
+
+
+def req(toks: list[int], max_new: int = 4, **kw: object) -> Request:
+    return Request(request_id=next(_ids), tokens=list(toks), max_new_tokens=max_new, **kw)  # type: ignore[arg-type]
+
+
+def serve_one(engine: ReferenceEngine, mgr: KVCacheManager, r: Request) -> ServeResult:
+    (res,) = engine.serve(mgr, [r])
+    mgr.check_integrity()
+    assert mgr.stats().used_num_blocks == 0, "serve must release every block it took"
+    return res
+
+
+def from_scratch(engine: ReferenceEngine, cfg: CacheConfig, r: Request) -> ServeResult:
+    fresh = Request(request_id=next(_ids), tokens=list(r.tokens), max_new_tokens=r.max_new_tokens,
+                    lora_id=r.lora_id, cache_salt=r.cache_salt)
+    res = serve_one(engine, KVCacheManager(cfg), fresh)
+    assert res.cached_tokens == 0
+    return res
+
+
+def assert_matches_scratch(engine: ReferenceEngine, cfg: CacheConfig, r: Request, got: ServeResult) -> None:
+    ref = from_scratch(engine, cfg, r)
+    assert got.last_logits.dtype == torch.float32 and got.last_logits.device.type == "cpu"
+    assert got.last_logits.shape == (VOCAB_SIZE,)
+    assert torch.allclose(got.last_logits, ref.last_logits, atol=ATOL, rtol=RTOL), \
+        f"max diff {(got.last_logits - ref.last_logits).abs().max():.3g}"
+    assert got.output_tokens == ref.output_tokens
+    assert got.cached_tokens + got.computed_tokens == len(r.tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_full_block_prefix_reuse(dtype: torch.dtype) -> None:
+    cfg = make_config(dtype=dtype)
+    engine, mgr = ReferenceEngine(cfg, seed=1), KVCacheManager(cfg)
+    shared = tokens(32, seed=1)
+    a = req(shared + tokens(8, seed=2))
+    first = serve_one(engine, mgr, a)
+    assert first.cached_tokens == 0 and first.computed_tokens == 40 and len(first.output_tokens) == 4
+
+    b = req(shared + tokens(10, seed=3), max_new=6)
+    got = serve_one(engine, mgr, b)
+    assert got.cached_tokens == 32 and got.computed_tokens == 10
+    assert_matches_scratch(engine, cfg, b, got)
+
+    again = req(a.tokens)  # the whole prompt is cached: all but its last token are reused
+    got = serve_one(engine, mgr, again)
+    assert got.cached_tokens == 39 and got.computed_tokens == 1
+    assert_matches_scratch(engine, cfg, again, got)
+    assert got.output_tokens == first.output_tokens
+
+
+def test_next_turn_reuses_the_decoded_blocks() -> None:
+    """Blocks written while decoding are stored on release, so a follow-up prompt reuses them too."""
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg, seed=2), KVCacheManager(cfg)
+    a = req(tokens(13, seed=4), max_new=12)
+    first = serve_one(engine, mgr, a)
+    turn2 = req(a.tokens + first.output_tokens + tokens(5, seed=5))
+    got = serve_one(engine, mgr, turn2)
+    assert got.cached_tokens == 24  # 13 prompt + 11 fed decode tokens = 6 full blocks
+    assert_matches_scratch(engine, cfg, turn2, got)
+
+
+def test_partial_reuse_in_place() -> None:
+    cfg = make_config(enable_partial_reuse=True, copy_on_partial_reuse=True)
+    engine, mgr = ReferenceEngine(cfg, seed=3), KVCacheManager(cfg)
+    a = req(tokens(22, seed=6), max_new=1)  # 5 full blocks stored; the 5th has no child
+    serve_one(engine, mgr, a)
+    b = req(a.tokens[:18] + tokens(7, seed=7))
+    got = serve_one(engine, mgr, b)
+    assert got.cached_tokens == 18
+    assert_matches_scratch(engine, cfg, b, got)
+    # a's 5th block was taken over by b; serving a again must still be right.
+    a2 = req(a.tokens)
+    assert_matches_scratch(engine, cfg, a2, serve_one(engine, mgr, a2))
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_partial_reuse_of_a_block_with_children(copy: bool) -> None:
+    """The partly matching block has a child: it is copied (copy_on_partial_reuse) or not reused at all."""
+    cfg = make_config(enable_partial_reuse=True, copy_on_partial_reuse=copy)
+    engine, mgr = ReferenceEngine(cfg, seed=4), KVCacheManager(cfg)
+    a = req(tokens(30, seed=8), max_new=1)  # 7 full blocks stored: block 4 (positions 16..19) has a child
+    serve_one(engine, mgr, a)
+    b = req(a.tokens[:18] + tokens(9, seed=9))
+    got = serve_one(engine, mgr, b)
+    assert got.cached_tokens == (18 if copy else 16)
+    assert_matches_scratch(engine, cfg, b, got)
+    # The copy's source was only read: a's 7 full blocks are all still cached and still right.
+    a2 = req(a.tokens)
+    got = serve_one(engine, mgr, a2)
+    assert got.cached_tokens == 28
+    assert_matches_scratch(engine, cfg, a2, got)
+
+
+@pytest.mark.parametrize("prompt_len, copied", [(22, 0), (30, 1)])
+def test_partial_reuse_is_reported_in_the_admission(prompt_len: int, copied: int) -> None:
+    """22 tokens: the partly matching block is a leaf, taken in place; 30: it has a child, so it is copied."""
+    cfg = make_config(enable_partial_reuse=True, copy_on_partial_reuse=True)
+    engine, mgr = ReferenceEngine(cfg, seed=4), KVCacheManager(cfg)
+    a = req(tokens(prompt_len, seed=8), max_new=1)
+    serve_one(engine, mgr, a)
+    b = req(a.tokens[:18] + tokens(9, seed=9), max_new=0)
+    mgr.add_sequences([b])
+    adm = mgr.admission(b.request_id)
+    assert (adm.reused_blocks, adm.partial_tokens, adm.copied_blocks) == (4, 2, copied)
+    mgr.remove_sequence(b.request_id)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_offloaded_blocks_are_onboarded_and_give_the_same_answer(dtype: torch.dtype, device: str) -> None:
+    cfg = make_config(dtype=dtype, device=device, num_primary_blocks=12, num_secondary_blocks=32)
+    engine, mgr = ReferenceEngine(cfg, seed=5), KVCacheManager(cfg)
+    a = req(tokens(30, seed=10), max_new=2)
+    serve_one(engine, mgr, a)
+    pressure = req(tokens(44, seed=11), max_new=1)  # needs 11 of the 12 primary blocks: a's blocks go to the host
+    serve_one(engine, mgr, pressure)
+    assert mgr.stats().offloaded_blocks > 0
+    assert mgr.probe_prefix_match_length(a.tokens) == 28  # still known, now on the host tier
+
+    a2 = req(a.tokens[:28] + tokens(6, seed=12), max_new=5)
+    got = serve_one(engine, mgr, a2)
+    assert got.cached_tokens == 28
+    assert got.onboarded_blocks > 0
+    assert mgr.stats().onboarded_blocks >= got.onboarded_blocks
+    assert_matches_scratch(engine, cfg, a2, got)
+
+
+def test_blocks_below_offload_priority_are_dropped_not_offloaded() -> None:
+    cfg = make_config(num_primary_blocks=12, num_secondary_blocks=32, offload_min_priority=101)
+    engine, mgr = ReferenceEngine(cfg, seed=5), KVCacheManager(cfg)
+    a = req(tokens(30, seed=10), max_new=2)
+    serve_one(engine, mgr, a)
+    serve_one(engine, mgr, req(tokens(44, seed=11), max_new=1))
+    a2 = req(a.tokens)
+    got = serve_one(engine, mgr, a2)
+    assert got.onboarded_blocks == 0 and mgr.stats().offloaded_blocks == 0
+    assert got.cached_tokens < 28
+    assert_matches_scratch(engine, cfg, a2, got)
+
+
+def test_reuse_is_refused_under_another_cache_salt() -> None:
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg, seed=6), KVCacheManager(cfg)
+    toks = tokens(25, seed=13)
+    serve_one(engine, mgr, req(toks, cache_salt="tenant-a"))
+    other = req(toks, cache_salt="tenant-b")
+    got = serve_one(engine, mgr, other)
+    assert got.cached_tokens == 0
+    assert_matches_scratch(engine, cfg, other, got)
+    same = req(toks, cache_salt="tenant-a")
+    assert serve_one(engine, mgr, same).cached_tokens == 24
+
+
+def test_reuse_is_refused_under_another_lora() -> None:
+    """The adapter changes the K/V, so reusing across LoRA ids would change the answer: the ledger must refuse."""
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg, seed=7), KVCacheManager(cfg)
+    toks = tokens(25, seed=14)
+    base = serve_one(engine, mgr, req(toks))
+    other = req(toks, lora_id=7)
+    got = serve_one(engine, mgr, other)
+    assert got.cached_tokens == 0
+    assert_matches_scratch(engine, cfg, other, got)
+    assert not torch.allclose(got.last_logits, base.last_logits, atol=ATOL, rtol=RTOL)
+    again = req(toks, lora_id=7)
+    got = serve_one(engine, mgr, again)
+    assert got.cached_tokens == 24
+    assert_matches_scratch(engine, cfg, again, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_batch_of_different_lengths_served_together(dtype: torch.dtype, device: str) -> None:
+    cfg = make_config(dtype=dtype, device=device)
+    engine, mgr = ReferenceEngine(cfg, seed=8), KVCacheManager(cfg)
+    shared = tokens(20, seed=15)
+    serve_one(engine, mgr, req(shared + tokens(3, seed=16)))
+    batch = [req(tokens(5, seed=17), max_new=0), req(shared + tokens(13, seed=18), max_new=3),
+             req(tokens(41, seed=19), max_new=7), req(shared[:9], max_new=2, lora_id=3)]
+    got = engine.serve(mgr, batch)
+    mgr.check_integrity()
+    assert [g.request_id for g in got] == [r.request_id for r in batch]
+    assert [g.cached_tokens for g in got] == [0, 20, 0, 0]
+    assert [len(g.output_tokens) for g in got] == [0, 3, 7, 2]
+    for r, g in zip(batch, got):
+        assert_matches_scratch(engine, cfg, r, g)
+
+
+def test_running_out_of_blocks_while_decoding_leaves_no_poisoned_cache() -> None:
+    cfg = make_config(num_primary_blocks=6)
+    engine, mgr = ReferenceEngine(cfg, seed=9), KVCacheManager(cfg)
+    r = req(tokens(15, seed=20), max_new=20)  # 35 tokens need 9 blocks, the pool has 6
+    with pytest.raises(OutOfBlocksError):
+        engine.serve(mgr, [r])
+    mgr.check_integrity()
+    assert mgr.stats().used_num_blocks == 0
+    again = req(r.tokens, max_new=3)
+    got = serve_one(engine, mgr, again)
+    assert got.cached_tokens == 14
+    assert_matches_scratch(engine, cfg, again, got)
+
+
+def test_bad_input_is_refused_before_the_ledger_changes() -> None:
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(cfg)
+    mgr.take_events()
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.serve(mgr, [req([1, 2, VOCAB_SIZE])])
+    with pytest.raises(TypeError, match="Request"):
+        engine.serve(mgr, [object()])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        engine.serve(KVCacheManager(make_config(tokens_per_block=8)), [req([1, 2])])
+    with pytest.raises(ValueError, match="materialize"):
+        engine.serve(KVCacheManager(make_config(materialize=False)), [req([1, 2])])
+    assert mgr.take_events() == [] and mgr.stats().alloc_total_blocks == 0
+    assert engine.serve(mgr, []) == []

@@ -1,0 +1,51 @@
+"""Block metadata: who uses a block, what it holds, where its data lives. No KV data here.
+
+Metadata and data are separate: offloading swaps pool slots between two blocks,
+so a block's id, its tree node and the requests holding it never change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from worker.block_key import BlockHash, BlockKey
+
+if TYPE_CHECKING:
+    from worker.radix_tree import TreeNode
+
+PRIMARY, SECONDARY = 0, 1
+TIER_MEDIUM = ("GPU", "CPU")
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    slot: int
+    """Index into the pool of ``tier``."""
+    tier: int
+    """``PRIMARY`` (device) or ``SECONDARY`` (host)."""
+    ref_count: int = 0
+    """Running requests (and pins) holding the block."""
+    sched_ref_count: int = 0
+    """``ref_count`` as seen by the scheduling round in progress."""
+    key: BlockKey | None = None
+    """What the block holds once stored; ``None`` for a block with no reusable content."""
+    block_hash: BlockHash | None = None
+    node: TreeNode | None = None
+    """Prefix-tree node while the block is reusable."""
+    prev: Block | None = None
+    """Previous block of the sequence that wrote it."""
+    is_full: bool = False
+    priority: int = 35
+    expires_at: float | None = None
+    """When ``priority`` falls back to the default (injected clock)."""
+    level: int = -1
+    """Free-list level while free (-1 when not in a free list)."""
+    freed_at: int = 0
+    """Release order stamp: keeps LRU order among blocks moved between levels together."""
+    fl_prev: Block | None = None
+    fl_next: Block | None = None
+
+    @property
+    def medium(self) -> str:
+        return TIER_MEDIUM[self.tier]

@@ -1,0 +1,322 @@
+"""The block-event schema and its msgpack codec: the one definition the worker and the router share.
+
+Events follow TensorRT-LLM's four kinds (created, stored, removed, updated) plus
+all-cleared. On the wire a batch is ``[ts, events, rank]`` and each event a map
+whose first entry is ``"type": <name>``, as vLLM >= 0.24 writes them, so the
+router can index a real vLLM engine too. The decoder also reads vLLM's older
+array events (``[tag, field, ...]``, vLLM <= 0.23) and rejects anything else
+with ``EventDecodeError``.
+"""
+from __future__ import annotations
+
+import math
+import reprlib
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Literal
+
+import msgpack
+
+Medium = Literal["GPU", "CPU"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks became reusable; ``block_hashes[i]`` follows ``block_hashes[i-1]`` (the first follows the parent)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: Medium | None = "GPU"
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks no longer held on ``medium`` (evicted or overwritten)."""
+
+    block_hashes: list[int]
+    medium: Medium | None = "GPU"
+    group_idx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every block of the rank is gone (reset)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheCreated:
+    """A ledger came up with these blocks per tier."""
+
+    num_blocks: dict[str, int]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockUpdated:
+    """A held block changed tier (offload, onboard) or retention priority; ``None`` = unchanged."""
+
+    block_hash: int
+    old_medium: Medium | None = None
+    new_medium: Medium | None = None
+    old_priority: int | None = None
+    new_priority: int | None = None
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | KVCacheCreated | BlockUpdated
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One numbered publication of a rank's events (numbering lives with the publisher)."""
+
+    ts: float
+    events: list[KVEvent] = field(default_factory=list)
+    rank: int | None = None
+
+
+# --- codec -----------------------------------------------------------------
+#
+# Decoding sits on the router's hot path, so each field is checked by one small
+# function looked up once per event kind at import (no per-event reflection),
+# and lists of hashes or tokens are checked with C-level passes (``map(type)``,
+# ``min``) before any per-item Python work.
+
+
+class EventDecodeError(ValueError):
+    """Bytes that are not a well-formed event batch; the message names the first bad part."""
+
+
+_U64_MAX = 2**64 - 1
+_INT_ONLY = frozenset({int})
+_MEDIA = frozenset({"GPU", "CPU"})
+
+
+class _Missing:
+    """Default of a field that has none: a required field absent from the wire."""
+
+    def __repr__(self) -> str:
+        return "nothing (required field missing)"
+
+
+_MISSING = _Missing()
+
+
+def _bad(where: str, expected: str, got: object) -> EventDecodeError:
+    shown = repr(got) if got is _MISSING else f"{type(got).__name__} {reprlib.repr(got)}"
+    return EventDecodeError(f"{where}: expected {expected}, got {shown}")
+
+
+def _as_hash(v: object) -> int | None:
+    """A u64 hash from an int, or from bytes (vLLM's non-int hashes: the first 8 bytes, big-endian,
+    as ``block_key`` folds its digest); ``None`` when ``v`` is neither."""
+    if type(v) is int:
+        return v if 0 <= v <= _U64_MAX else None
+    if type(v) is bytes and v:
+        return int.from_bytes(v[:8], "big")
+    return None
+
+
+def _hash(v: object, where: str) -> int:
+    h = _as_hash(v)
+    if h is None:
+        raise _bad(where, "a u64 hash (int 0..2**64-1 or non-empty bytes)", v)
+    return h
+
+
+def _opt_hash(v: object, where: str) -> int | None:
+    return None if v is None else _hash(v, where)
+
+
+def _hash_list(v: object, where: str) -> list[int]:
+    if type(v) is not list:
+        raise _bad(where, "a list of u64 hashes", v)
+    # msgpack ints never exceed 2**64-1, so a list of ints only needs the lower bound.
+    if _INT_ONLY.issuperset(map(type, v)) and (not v or min(v) >= 0):
+        return v
+    return [_hash(h, f"{where}[{i}]") for i, h in enumerate(v)]
+
+
+def _token_list(v: object, where: str) -> list[int]:
+    if type(v) is not list or not _INT_ONLY.issuperset(map(type, v)) or (v and min(v) < 0):
+        raise _bad(where, "a list of non-negative int token ids", v)
+    return v
+
+
+def _positive_int(v: object, where: str) -> int:
+    if type(v) is not int or v <= 0:
+        raise _bad(where, "a positive int", v)
+    return v
+
+
+def _count(v: object, where: str) -> int:
+    if type(v) is not int or v < 0:
+        raise _bad(where, "a non-negative int", v)
+    return v
+
+
+def _opt_count(v: object, where: str) -> int | None:
+    return None if v is None else _count(v, where)
+
+
+def _opt_priority(v: object, where: str) -> int | None:
+    if v is None or (type(v) is int and 0 <= v <= 100):
+        return v
+    raise _bad(where, "a priority (int 0..100) or None", v)
+
+
+def _medium(v: object, where: str) -> Medium | None:
+    if v is None or (type(v) is str and v in _MEDIA):
+        return v  # type: ignore[return-value]  # narrowed to the Literal by the check above
+    raise _bad(where, "'GPU', 'CPU' or None", v)
+
+
+def _opt_str(v: object, where: str) -> str | None:
+    if v is None or type(v) is str:
+        return v
+    raise _bad(where, "a str or None", v)
+
+
+def _tier_counts(v: object, where: str) -> dict[str, int]:
+    if type(v) is not dict or not all(type(k) is str and type(n) is int and n >= 0 for k, n in v.items()):
+        raise _bad(where, "a map of tier name (str) to non-negative int", v)
+    return v
+
+
+_Check = Callable[[object, str], object]
+
+#: How every event field is checked, by name; a field missing here fails at import.
+_CHECKS: dict[str, _Check] = {
+    "block_hashes": _hash_list,
+    "parent_block_hash": _opt_hash,
+    "token_ids": _token_list,
+    "block_size": _positive_int,
+    "lora_id": _opt_count,
+    "medium": _medium,
+    "lora_name": _opt_str,
+    "cache_salt": _opt_str,
+    "priority": _opt_priority,
+    "group_idx": _count,
+    "kv_cache_spec_kind": _opt_str,
+    "num_blocks": _tier_counts,
+    "block_hash": _hash,
+    "old_medium": _medium,
+    "new_medium": _medium,
+    "old_priority": _opt_priority,
+    "new_priority": _opt_priority,
+}
+
+#: Where vLLM's array layout (<= 0.23) puts BlockStored's fields; slot 8 holds its
+#: ``extra_keys``, which we do not keep, and it has no ``cache_salt``/``priority``.
+#: Every other kind's array lists its fields in declaration order after the tag.
+_VLLM_ARRAY_SLOTS: dict[str, int] = {
+    "block_hashes": 1, "parent_block_hash": 2, "token_ids": 3, "block_size": 4, "lora_id": 5,
+    "medium": 6, "lora_name": 7, "group_idx": 9, "kv_cache_spec_kind": 10,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """One event class's wire description, derived once from its dataclass fields."""
+
+    cls: type[KVEvent]
+    tag: str
+    names: tuple[str, ...]
+    checks: tuple[_Check, ...]
+    wheres: tuple[str, ...]        # "BlockStored.token_ids", for error messages
+    defaults: tuple[object, ...]   # _MISSING where the field is required
+    slots: tuple[int, ...]         # index in the array layout; 0 = not carried there
+
+    @classmethod
+    def of(cls, event_cls: type[KVEvent]) -> _Kind:
+        fs = fields(event_cls)
+        names = tuple(f.name for f in fs)
+        tag = event_cls.__name__
+        slots = (tuple(_VLLM_ARRAY_SLOTS.get(n, 0) for n in names) if event_cls is BlockStored
+                 else tuple(range(1, len(names) + 1)))
+        return cls(event_cls, tag, names, tuple(_CHECKS[n] for n in names),
+                   tuple(f"{tag}.{n}" for n in names),
+                   tuple(_MISSING if f.default is MISSING else f.default for f in fs), slots)
+
+    def from_map(self, m: dict[object, object]) -> KVEvent:
+        """vLLM >= 0.24 layout: unknown keys are ignored, absent optional keys take their default."""
+        get = m.get
+        return self.cls(*[check(get(name, d), where) for check, name, where, d
+                          in zip(self.checks, self.names, self.wheres, self.defaults)])
+
+    def from_array(self, a: list[object]) -> KVEvent:
+        """vLLM <= 0.23 layout: trailing optional fields may be absent, extra trailing ones are ignored."""
+        n = len(a)
+        return self.cls(*[check(a[s] if 0 < s < n else d, where) for check, s, where, d
+                          in zip(self.checks, self.slots, self.wheres, self.defaults)])
+
+    def to_map(self, e: KVEvent) -> dict[str, object]:
+        """``"type"`` first, then the fields in declaration order, so vLLM-style readers can read it."""
+        out: dict[str, object] = {"type": self.tag}
+        for name in self.names:
+            out[name] = getattr(e, name)
+        return out
+
+
+_KINDS: dict[str, _Kind] = {k.tag: k for k in map(_Kind.of, (BlockStored, BlockRemoved, AllBlocksCleared,
+                                                             KVCacheCreated, BlockUpdated))}
+_KIND_OF_CLASS: dict[type, _Kind] = {k.cls: k for k in _KINDS.values()}
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """msgpack ``[ts, events, rank]`` with map events (see the module docstring)."""
+    try:
+        events = [_KIND_OF_CLASS[type(e)].to_map(e) for e in batch.events]
+    except KeyError as e:
+        raise TypeError(f"not a KVEvent: {e.args[0].__name__}; build events from worker.events") from None
+    return msgpack.packb([batch.ts, events, batch.rank], use_bin_type=True)
+
+
+def _decode_event(raw: object) -> KVEvent:
+    if type(raw) is dict:
+        tag = raw.get("type", _MISSING)
+        kind = _KINDS.get(tag) if type(tag) is str else None
+        if kind is None:
+            raise _bad("event", f"'type' one of {sorted(_KINDS)}", tag)
+        return kind.from_map(raw)
+    if type(raw) is list and raw:
+        tag = raw[0]
+        kind = _KINDS.get(tag) if type(tag) is str else None
+        if kind is None:
+            raise _bad("event", f"a tag one of {sorted(_KINDS)}", tag)
+        return kind.from_array(raw)
+    raise _bad("event", "a map or a non-empty tagged array", raw)
+
+
+def decode_batch(data: bytes) -> EventBatch:
+    """Decode one batch in either vLLM layout, or raise ``EventDecodeError``; never a partial batch."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise EventDecodeError(f"expected bytes, got {type(data).__name__}")
+    try:
+        obj = msgpack.unpackb(data, raw=False)
+    except ValueError as e:  # every msgpack unpack error (ExtraData, OutOfData, FormatError, StackError) is one
+        raise EventDecodeError(f"not one msgpack value: {type(e).__name__}: {e}") from None
+    if type(obj) is not list or not 2 <= len(obj) <= 3:
+        raise _bad("batch", "an array [ts, events, rank] (rank optional)", obj)
+    ts, events = obj[0], obj[1]
+    rank = obj[2] if len(obj) == 3 else None
+    if type(ts) not in (float, int) or not math.isfinite(ts):
+        raise _bad("batch ts", "a finite float or int", ts)
+    if rank is not None and (type(rank) is not int or rank < 0):
+        raise _bad("batch rank", "a non-negative int or None", rank)
+    if type(events) is not list:
+        raise _bad("batch events", "a list", events)
+    out: list[KVEvent] = []
+    for i, raw in enumerate(events):
+        try:
+            out.append(_decode_event(raw))
+        except EventDecodeError as e:
+            raise EventDecodeError(f"events[{i}]: {e}") from None
+    return EventBatch(float(ts), out, rank)

@@ -1,0 +1,81 @@
+"""LRU eviction with retention priorities, one set of free lists per tier (TensorRT-LLM's LRUEvictionPolicy).
+
+A free block sits in the list of its tier and level: level 0 holds blocks with
+no reusable content (taken first), level ``p + 1`` blocks of priority ``p``.
+The victim is the head of the lowest non-empty level, so the lowest priority
+goes first and, within a priority, the least recently freed. A bitmask of
+non-empty levels finds it without scanning.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from worker.block import Block
+from worker.config import MAX_PRIORITY
+from worker.free_list import FreeList
+
+EMPTY_LEVEL = 0
+NUM_LEVELS = MAX_PRIORITY + 2
+
+
+def level_of(block: Block) -> int:
+    return EMPTY_LEVEL if block.key is None else block.priority + 1
+
+
+class EvictionPolicy:
+    """Free lists of every tier; knows nothing of trees, pools or events."""
+
+    __slots__ = ("_lists", "_mask", "_free", "_tick")
+
+    def __init__(self, num_tiers: int) -> None:
+        self._lists = [[FreeList() for _ in range(NUM_LEVELS)] for _ in range(num_tiers)]
+        self._mask = [0] * num_tiers
+        self._free = [0] * num_tiers
+        self._tick = 0
+
+    def release(self, block: Block) -> None:
+        """Make an unreferenced block available, as the most recently used of its level."""
+        assert block.level < 0, f"block {block.block_id} released twice"
+        level = level_of(block)
+        self._lists[block.tier][level].append(block)
+        block.level = level
+        block.freed_at = self._tick
+        self._tick += 1
+        self._mask[block.tier] |= 1 << level
+        self._free[block.tier] += 1
+
+    def claim(self, block: Block) -> None:
+        """Take a free block out of its list (it is being used or moved)."""
+        assert block.level >= 0, f"block {block.block_id} claimed while not free"
+        lst = self._lists[block.tier][block.level]
+        lst.remove(block)
+        if lst.size == 0:
+            self._mask[block.tier] &= ~(1 << block.level)
+        block.level = -1
+        self._free[block.tier] -= 1
+
+    def victim(self, tier: int) -> Block | None:
+        """The block to reuse next in ``tier``, without claiming it."""
+        mask = self._mask[tier]
+        if not mask:
+            return None
+        return self._lists[tier][(mask & -mask).bit_length() - 1].first()
+
+    def requeue(self, blocks: list[Block]) -> None:
+        """Move free blocks to the levels their keys and priorities now call for, keeping their LRU order."""
+        blocks = sorted(blocks, key=lambda b: b.freed_at)
+        for b in blocks:
+            self.claim(b)
+        for b in blocks:
+            self.release(b)
+
+    def num_free(self, tier: int) -> int:
+        return self._free[tier]
+
+    def free_blocks(self, tier: int) -> Iterator[Block]:
+        """Free blocks of ``tier`` in eviction order."""
+        for lst in self._lists[tier]:
+            yield from lst
+
+    def list_sizes(self, tier: int) -> list[int]:
+        return [lst.size for lst in self._lists[tier]]

@@ -1,0 +1,111 @@
+"""The KV tensors of one rank's two tiers, and block copies planned as few large slice copies.
+
+Each pool is ``[blocks, layers, K|V, tokens, kv_heads, head_dim]``, block-major,
+so adjacent slots form one contiguous run and a run of adjacent (source,
+destination) pairs moves as one slice copy. On CUDA the copies go on a side
+stream that the compute stream then waits on.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from worker.block import PRIMARY, SECONDARY
+from worker.config import CacheConfig
+from worker.device import host_pin_memory, resolve_device
+
+CopyOp = tuple[int, int, int, int]
+"""(source tier, source slot, destination tier, destination slot)."""
+
+
+def merge_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) slot pairs as ``(src_start, dst_start, length)`` runs where both sides are adjacent."""
+    runs: list[list[int]] = []
+    for s, d in sorted(pairs):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Iterable[tuple[int, int]]) -> int:
+    """Copy blocks ``src[s] -> dst[d]`` for every pair, one slice copy per run; returns the number of copies."""
+    runs = merge_runs(pairs)
+    cuda = src.is_cuda or dst.is_cuda
+    if not cuda:
+        for s, d, n in runs:
+            dst[d:d + n].copy_(src[s:s + n])
+        return len(runs)
+    side = torch.cuda.Stream(device=src.device if src.is_cuda else dst.device)
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        for s, d, n in runs:
+            dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+    torch.cuda.current_stream(side.device).wait_stream(side)
+    return len(runs)
+
+
+class TieredPools:
+    """Primary pool on the rank's device, secondary pool in host memory (pinned where CUDA exists)."""
+
+    def __init__(self, config: CacheConfig, num_primary: int, num_secondary: int) -> None:
+        self.device = resolve_device(config.device)
+        self.primary: torch.Tensor | None = None
+        self.secondary: torch.Tensor | None = None
+        if config.materialize:
+            shape = config.block_shape
+            self.primary = torch.zeros((num_primary, *shape), dtype=config.dtype, device=self.device)
+            self.secondary = torch.zeros((num_secondary, *shape), dtype=config.dtype, device="cpu",
+                                         pin_memory=host_pin_memory() and num_secondary > 0)
+        self._pending: list[CopyOp] = []
+        self.copies_issued = 0
+
+    def tier(self, tier: int) -> torch.Tensor | None:
+        return self.primary if tier == PRIMARY else self.secondary
+
+    def plan(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
+        """Queue one block copy; queued copies run in order at ``flush``."""
+        if self.primary is not None:
+            self._pending.append((src_tier, src_slot, dst_tier, dst_slot))
+
+    def flush(self) -> None:
+        """Run queued copies in as few merged runs as their order allows.
+
+        Copies are grouped while they go in one direction and touch disjoint
+        slots: a later copy may read or overwrite a slot an earlier one wrote (an
+        onboard into a slot an offload just vacated, a host slot offloaded into
+        twice), and such a copy starts a new group so that order is kept.
+        """
+        ops, self._pending = self._pending, []
+        group: list[CopyOp] = []
+        touched: set[tuple[int, int]] = set()
+        for op in ops:
+            src, dst = (op[0], op[1]), (op[2], op[3])
+            if group and (op[0] != group[0][0] or op[2] != group[0][2] or src in touched or dst in touched):
+                self._run(group)
+                group, touched = [], set()
+            group.append(op)
+            touched.update((src, dst))
+        if group:
+            self._run(group)
+
+    def _run(self, group: list[CopyOp]) -> None:
+        src_tier, _, dst_tier, _ = group[0]
+        self.copies_issued += copy_blocks(self.tier(src_tier), self.tier(dst_tier), [(op[1], op[3]) for op in group])
+
+    def read_blocks(self, slots: Sequence[int]) -> torch.Tensor:
+        """Primary blocks gathered into one contiguous tensor (for sending)."""
+        assert self.primary is not None, "read_blocks on a ledger without tensors"
+        out = torch.empty((len(slots), *self.primary.shape[1:]), dtype=self.primary.dtype, device=self.primary.device)
+        copy_blocks(self.primary, out, [(s, i) for i, s in enumerate(slots)])
+        return out
+
+    def write_blocks(self, slots: Sequence[int], data: torch.Tensor) -> None:
+        """Scatter a contiguous tensor of blocks into primary slots (after a receive)."""
+        assert self.primary is not None, "write_blocks on a ledger without tensors"
+        copy_blocks(data, self.primary, [(i, s) for i, s in enumerate(slots)])
+
+
+__all__ = ["CopyOp", "TieredPools", "copy_blocks", "merge_runs", "PRIMARY", "SECONDARY"]

@@ -1,0 +1,625 @@
+"""The per-rank KV cache manager: admission with prefix reuse, allocation under eviction, tiers, events.
+
+Follows TensorRT-LLM's KVCacheManager -> BlockManager -> WindowBlockManager for
+one attention window. Every public operation validates its input and checks
+capacity before it changes anything, so a refused call leaves the books,
+the stats and the event buffer as they were.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from worker.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
+from worker.block_key import BlockKey, MmKey, block_keys, validate_prompt
+from worker.config import DEFAULT_PRIORITY, CacheConfig
+from worker.errors import OutOfBlocksError
+from worker.event_buffer import EventBuffer
+from worker.eviction import EvictionPolicy, level_of
+from worker.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, KVCacheCreated, KVEvent
+from worker.kv_pool import TieredPools
+from worker.radix_tree import PrefixTree, TreeNode
+from worker.request import Request
+from worker.sequence import Sequence
+from worker.stats import Admission, KvCacheStats, PrefixReuseSummary
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Match:
+    """What the tree offers one prompt: full blocks, then possibly one partly matching block."""
+
+    full: list[Block]
+    partial: Block | None = None
+    partial_len: int = 0
+    in_place: bool = False
+
+
+@dataclass(slots=True)
+class _Plan:
+    request: Request
+    match: _Match
+    new_blocks: int
+    """Blocks to allocate, the copy destination of a partial match included."""
+
+
+@dataclass(slots=True)
+class StoredBlock:
+    """One block a rank holds, as a snapshot reports it."""
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: list[int]
+    medium: str
+    lora_id: int | None
+    cache_salt: str | None
+    priority: int
+
+
+class KVCacheManager:
+    """The books of one rank's KV blocks: who holds which block, where its data lives, what is reusable."""
+
+    def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.clock = clock
+        n_primary, n_secondary = config.primary_blocks(), config.secondary_blocks()
+        self.num_primary, self.num_secondary = n_primary, n_secondary
+        self.pools = TieredPools(config, n_primary, n_secondary)
+        self.blocks = [Block(block_id=i, slot=i, tier=PRIMARY) for i in range(n_primary)]
+        self.blocks += [Block(block_id=n_primary + i, slot=i, tier=SECONDARY) for i in range(n_secondary)]
+        self._evict = EvictionPolicy(num_tiers=2)
+        for b in self.blocks:
+            self._evict.release(b)
+        self._tree = PrefixTree()
+        self._seqs: dict[int, Sequence] = {}
+        self._pinned: dict[int, list[Block]] = {}
+        self._events = EventBuffer(config.event_buffer_size)
+        self._expiry: list[tuple[float, int]] = []
+        self._sched_free = n_primary
+        self._alloc_total = self._alloc_new = self._reused = self._missed = 0
+        self._offloaded = self._onboarded = 0
+        self._emit(KVCacheCreated(num_blocks={"GPU": n_primary, "CPU": n_secondary}, block_size=self.tokens_per_block))
+
+    # ------------------------------------------------------------------ admission
+
+    def add_sequence(self, request: Request) -> int:
+        """Admit one request; returns its prepopulated prompt length (tokens whose KV is reused)."""
+        return self.add_sequences([request])[0]
+
+    def add_sequences(self, requests: Seq[Request]) -> list[int]:
+        """Admit a batch: every request claims its matches before any block is allocated.
+
+        So one request's allocation cannot evict what another in the batch was
+        counted to reuse. Raises ``OutOfBlocksError`` (changing nothing) when the
+        batch does not fit.
+        """
+        ids = set()
+        for r in requests:
+            if not isinstance(r, Request):
+                raise TypeError(f"add_sequences takes Request objects, got {type(r).__name__}")
+            r.validate()
+            if r.request_id in self._seqs or r.request_id in self._pinned or r.request_id in ids:
+                raise ValueError(f"request {r.request_id} is already in the ledger")
+            ids.add(r.request_id)
+        self.refresh_blocks()
+        plans = self._plan(requests)
+        self._check_capacity(plans)
+        return [s.admission.prepopulated_tokens for s in self._apply(plans)]
+
+    def _plan(self, requests: Seq[Request]) -> list[_Plan]:
+        """Decide every request's reuse without changing anything (a dry run of the claims)."""
+        T = self.tokens_per_block
+        claimed: set[int] = set()
+        taken: set[int] = set()
+        plans = []
+        for r in requests:
+            m = self._match(r.tokens, r.lora_id, r.cache_salt, r.mm_keys, r.extra_ids, taken)
+            self._decide_partial(m, claimed)
+            if m.in_place:
+                taken.add(m.partial.block_id)
+            claimed.update(b.block_id for b in m.full)
+            if m.partial is not None:
+                claimed.add(m.partial.block_id)
+            total = -(-len(r.tokens) // T)
+            plans.append(_Plan(r, m, total - len(m.full) - (1 if m.in_place else 0)))
+        return plans
+
+    def _match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
+               extra_ids: Seq[int] | None, taken: set[int] = frozenset()) -> _Match:
+        """Walk the tree with the prompt's keys; the last prompt token is never matched."""
+        T = self.tokens_per_block
+        usable = len(tokens) - 1
+        n_full = usable // T
+        keys = block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt, mm_keys=mm_keys,
+                          extra_ids=extra_ids, include_partial=True)
+        node = self._tree.root
+        full: list[Block] = []
+        for key in keys[:n_full]:
+            child = node.children.get(key)
+            if child is None or child.block is None or child.block.block_id in taken:
+                break
+            full.append(child.block)
+            node = child
+        m = _Match(full)
+        limit = min(T, usable - len(full) * T)
+        if self.config.enable_partial_reuse and limit > 0 and len(full) < len(keys):
+            cand, n = self._tree.best_partial(node, keys[len(full)], limit)
+            if cand is not None:  # a block taken in place by an earlier request can still be copied
+                m.partial, m.partial_len = cand.block, n
+        return m
+
+    def _decide_partial(self, m: _Match, claimed: set[int]) -> None:
+        """Reuse a partly matching block in place when nobody else holds it and it is a leaf, else copy it."""
+        p = m.partial
+        if p is None:
+            return
+        m.in_place = p.ref_count == 0 and p.block_id not in claimed and not p.node.children
+        if not m.in_place and not self.config.copy_on_partial_reuse:
+            m.partial, m.partial_len = None, 0
+
+    def _check_capacity(self, plans: list[_Plan]) -> None:
+        held = {b.block_id: b for p in plans for b in (*p.match.full, p.match.partial) if b is not None}
+        free_claimed = sum(1 for b in held.values() if b.tier == PRIMARY and b.ref_count == 0)
+        onboards = len({b.block_id for p in plans for b in self._to_onboard(p.match) if b.tier == SECONDARY})
+        needed = sum(p.new_blocks for p in plans) + onboards
+        available = self._evict.num_free(PRIMARY) - free_claimed
+        if needed > available:
+            what = f"admitting request(s) {[p.request.request_id for p in plans]}"
+            raise OutOfBlocksError(needed, available, what)
+
+    @staticmethod
+    def _to_onboard(m: _Match) -> list[Block]:
+        """Blocks a match uses in place (a copied partial block is read from wherever it lies)."""
+        return [*m.full, m.partial] if m.in_place else m.full
+
+    def _apply(self, plans: list[_Plan]) -> list[Sequence]:
+        T = self.tokens_per_block
+        copy_sources: list[Block] = []
+        for p in plans:
+            for b in p.match.full:
+                self._ref(b)
+            part = p.match.partial
+            if part is not None:
+                self._ref(part)
+                if p.match.in_place:
+                    self._forget(part)
+                else:
+                    copy_sources.append(part)
+        onboarded = []
+        for p in plans:
+            moved = [b for b in self._to_onboard(p.match) if b.tier == SECONDARY]
+            for b in moved:
+                self._onboard(b)
+            onboarded.append(len(moved))
+        seqs = []
+        for p, n_onboarded in zip(plans, onboarded):
+            r, m = p.request, p.match
+            blocks = list(m.full)
+            copied = 0
+            if m.partial is not None:
+                if m.in_place:
+                    blocks.append(m.partial)
+                else:
+                    dst = self._take_free(count_alloc=True)
+                    self.pools.plan(m.partial.tier, m.partial.slot, PRIMARY, dst.slot)
+                    dst.ref_count = 1
+                    blocks.append(dst)
+                    copied = 1
+            fresh = p.new_blocks - copied
+            for _ in range(fresh):
+                b = self._take_free(count_alloc=True)
+                b.ref_count = 1
+                blocks.append(b)
+            n_reused = len(m.full) + (1 if m.partial is not None else 0)
+            self._reused += n_reused
+            self._missed += len(blocks) - n_reused
+            prepop = len(m.full) * T + m.partial_len
+            adm = Admission(prepopulated_tokens=prepop, reused_blocks=len(m.full), partial_tokens=m.partial_len,
+                            copied_blocks=copied, onboarded_blocks=n_onboarded, allocated_blocks=p.new_blocks)
+            seq = Sequence(request=r, blocks=blocks, num_tokens=len(r.tokens), admission=adm, tokens=list(r.tokens))
+            self._apply_retention(seq, 0)
+            self._seqs[r.request_id] = seq
+            seqs.append(seq)
+        for b in copy_sources:
+            self._unref(b)
+        self.pools.flush()
+        return seqs
+
+    # ------------------------------------------------------------------ growth and release
+
+    def add_token(self, request_id: int, n: int = 1, tokens: Seq[int] | None = None) -> None:
+        """Grow a running sequence by ``n`` decoded tokens, allocating blocks at block boundaries.
+
+        Pass the token ids to make full decode blocks reusable; without them the
+        sequence stops being storable from here on.
+        """
+        seq = self._running(request_id)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"add_token: n must be an int >= 1, got {n!r}")
+        if tokens is not None:
+            validate_prompt(tokens, None, None, (), None)
+            if len(tokens) != n:
+                raise ValueError(f"add_token: {len(tokens)} token ids given for n={n}")
+        need = -(-(seq.num_tokens + n) // self.tokens_per_block) - len(seq.blocks)
+        if need > self._evict.num_free(PRIMARY):
+            raise OutOfBlocksError(need, self._evict.num_free(PRIMARY), f"growing request {request_id}")
+        first_new = len(seq.blocks)
+        for _ in range(need):
+            b = self._take_free(count_alloc=True)
+            b.ref_count = 1
+            seq.blocks.append(b)
+        if tokens is None or seq.opaque or seq.request.extra_ids is not None:
+            seq.opaque = True
+        else:
+            seq.tokens.extend(tokens)
+        seq.num_tokens += n
+        self._apply_retention(seq, first_new)
+        self.pools.flush()
+
+    def store_context_blocks(self, request_id: int) -> None:
+        """Make the prompt's full blocks reusable (after prefill wrote them)."""
+        seq = self._running(request_id)
+        self._store(seq, len(seq.request.tokens) // self.tokens_per_block)
+
+    def remove_sequence(self, request_id: int, pin: bool = False) -> list[int]:
+        """Finish a request: store its full blocks for reuse, then release them.
+
+        With ``pin=True`` the blocks stay held (for example while a transfer reads
+        them) until ``unpin_sequence``; returns the ids of the pinned blocks.
+        """
+        seq = self._running(request_id)
+        self._store(seq, seq.storable_blocks(self.tokens_per_block))
+        del self._seqs[request_id]
+        if pin:
+            self._pinned[request_id] = seq.blocks
+            return [b.block_id for b in seq.blocks]
+        self._release(seq.blocks)
+        return []
+
+    def unpin_sequence(self, request_id: int) -> None:
+        blocks = self._pinned.pop(request_id, None)
+        if blocks is None:
+            raise KeyError(f"request {request_id} has no pinned blocks")
+        self._release(blocks)
+
+    def _release(self, blocks: list[Block]) -> None:
+        """Drop one reference of each block, tail first, so a prefix outlives its suffix in the LRU order."""
+        for b in reversed(blocks):
+            self._unref(b)
+
+    def _running(self, request_id: int) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id} is not running in this ledger")
+        return seq
+
+    # ------------------------------------------------------------------ storing
+
+    def _store(self, seq: Sequence, count: int) -> None:
+        """Put the first ``count`` blocks of ``seq`` in the tree; announce the newly stored runs."""
+        if count <= 0:
+            return
+        T = self.tokens_per_block
+        seq.ensure_keys(count, T)
+        node = self._tree.root
+        run: list[int] = []
+        for i in range(count):
+            key, b = seq.keys[i], seq.blocks[i]
+            node = self._tree.child_or_new(node, key)
+            if node.block is None and b.node is None:
+                self._tree.attach(node, b)
+                b.key, b.block_hash, b.is_full = key, seq.hashes[i], True
+                b.prev = seq.blocks[i - 1] if i else None
+                if run and seq.blocks[run[-1]].priority != b.priority:
+                    self._announce_stored(seq, run)
+                    run = []
+                run.append(i)
+            else:
+                if run:
+                    self._announce_stored(seq, run)
+                    run = []
+                assert node.block is b or b.node is None, f"block {b.block_id} stored at two nodes"
+        if run:
+            self._announce_stored(seq, run)
+
+    def _announce_stored(self, seq: Sequence, run: list[int]) -> None:
+        T, r = self.tokens_per_block, seq.request
+        first = run[0]
+        self._emit(BlockStored(
+            block_hashes=[seq.hashes[i] for i in run],
+            parent_block_hash=seq.hashes[first - 1] if first else None,
+            token_ids=seq.tokens[first * T:(run[-1] + 1) * T], block_size=T, lora_id=r.lora_id,
+            medium="GPU", cache_salt=r.cache_salt, priority=seq.blocks[first].priority))
+
+    # ------------------------------------------------------------------ blocks, tiers, eviction
+
+    def _ref(self, b: Block) -> None:
+        if b.ref_count == 0 and b.level >= 0:
+            self._evict.claim(b)
+        b.ref_count += 1
+
+    def _unref(self, b: Block) -> None:
+        assert b.ref_count > 0, f"block {b.block_id} released more often than held"
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            if b.node is None:
+                self._clear(b)
+            self._evict.release(b)
+
+    def _clear(self, b: Block) -> None:
+        b.key = b.block_hash = b.prev = None
+        b.is_full = False
+        b.priority, b.expires_at = DEFAULT_PRIORITY, None
+
+    def _forget(self, b: Block) -> None:
+        """Take a stored block out of the tree and announce it gone from its tier."""
+        self._emit(BlockRemoved(block_hashes=[b.block_hash], medium=b.medium))
+        self._tree.detach(b)
+        self._clear(b)
+
+    def _take_free(self, count_alloc: bool) -> Block:
+        """A clean primary block: the eviction victim, offloaded to the host tier or dropped."""
+        b = self._evict.victim(PRIMARY)
+        assert b is not None, "capacity was checked before allocating"
+        self._evict.claim(b)
+        if count_alloc:
+            self._alloc_total += 1
+            if b.key is None:
+                self._alloc_new += 1
+        if b.node is None:
+            return b
+        if b.priority >= self.config.offload_min_priority and self._evict.num_free(SECONDARY) > 0:
+            dest = self._evict.victim(SECONDARY)
+            self._evict.claim(dest)
+            if dest.node is not None:
+                self._forget(dest)
+            self.pools.plan(PRIMARY, b.slot, SECONDARY, dest.slot)
+            b.slot, dest.slot = dest.slot, b.slot
+            b.tier, dest.tier = SECONDARY, PRIMARY
+            self._emit(BlockUpdated(block_hash=b.block_hash, old_medium="GPU", new_medium="CPU"))
+            self._evict.release(b)
+            self._offloaded += 1
+            return dest
+        self._forget(b)
+        return b
+
+    def _onboard(self, b: Block) -> None:
+        """Bring a claimed host-tier block back to the device before use; it keeps its id and node."""
+        dst = self._take_free(count_alloc=False)
+        self.pools.plan(SECONDARY, b.slot, PRIMARY, dst.slot)
+        b.slot, dst.slot = dst.slot, b.slot
+        b.tier, dst.tier = PRIMARY, SECONDARY
+        self._evict.release(dst)
+        if b.block_hash is not None:
+            self._emit(BlockUpdated(block_hash=b.block_hash, old_medium="CPU", new_medium="GPU"))
+        self._onboarded += 1
+
+    def _apply_retention(self, seq: Sequence, first: int) -> None:
+        """Give blocks ``first..`` of ``seq`` the priority its request asks for at their positions.
+
+        A request without a retention config leaves the priority of the blocks it
+        reuses alone (new blocks start at the default), so plain traffic never
+        demotes a prefix someone asked to keep.
+        """
+        retention = seq.request.retention
+        if retention is None:
+            return
+        T = self.tokens_per_block
+        now = None
+        prompt_len = len(seq.request.tokens)
+        for i in range(first, len(seq.blocks)):
+            pri, dur = retention.for_block(i * T, (i + 1) * T, prompt_len)
+            b = seq.blocks[i]
+            if dur is not None:
+                now = self.clock() if now is None else now
+                b.expires_at = now + dur
+                heapq.heappush(self._expiry, (b.expires_at, b.block_id))
+            else:
+                b.expires_at = None
+            if b.priority != pri:
+                if b.block_hash is not None:
+                    self._emit(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority, new_priority=pri))
+                b.priority = pri
+
+    def refresh_blocks(self) -> None:
+        """Blocks whose retention duration has passed fall back to the default priority."""
+        if not self._expiry or self._expiry[0][0] > self.clock():
+            return
+        now = self.clock()
+        moved = []
+        while self._expiry and self._expiry[0][0] <= now:
+            at, bid = heapq.heappop(self._expiry)
+            b = self.blocks[bid]
+            if b.expires_at != at:
+                continue
+            b.expires_at = None
+            if b.priority != DEFAULT_PRIORITY:
+                if b.block_hash is not None:
+                    self._emit(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,
+                                            new_priority=DEFAULT_PRIORITY))
+                b.priority = DEFAULT_PRIORITY
+                if b.level >= 0 and b.level != level_of(b):
+                    moved.append(b)
+        self._evict.requeue(moved)
+
+    def clear(self) -> None:
+        """Forget every reusable block (nothing may be running); announces ``AllBlocksCleared``."""
+        if self._seqs or self._pinned:
+            raise RuntimeError(f"clear() with {len(self._seqs) + len(self._pinned)} sequences still holding blocks")
+        stored = [b for b in self.blocks if b.node is not None]
+        for b in stored:
+            self._tree.detach(b)
+            self._clear(b)
+        self._evict.requeue(stored)
+        self._emit(AllBlocksCleared())
+
+    # ------------------------------------------------------------------ queries
+
+    def get_block_ids(self, request_id: int) -> list[int]:
+        return [b.block_id for b in self._running(request_id).blocks]
+
+    def admission(self, request_id: int) -> Admission:
+        return self._running(request_id).admission
+
+    def num_tokens(self, request_id: int) -> int:
+        return self._running(request_id).num_tokens
+
+    def block_table(self, request_ids: Iterable[int]) -> torch.Tensor:
+        """Primary pool slots per request, ``int32 [batch, max_blocks]``, -1 where a row is shorter."""
+        rows = [[b.slot for b in self._running(rid).blocks] for rid in request_ids]
+        width = max((len(r) for r in rows), default=0)
+        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        return table.to(self.pools.device)
+
+    def analyze_prefix_reuse(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
+                             mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> PrefixReuseSummary:
+        """What admitting ``tokens`` now would reuse (no state changes)."""
+        validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
+        m = self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids) if tokens else _Match([])
+        self._decide_partial(m, set())
+        return PrefixReuseSummary(
+            reusable_blocks_allocated=sum(1 for b in m.full if b.ref_count > 0),
+            reusable_blocks_all=len(m.full),
+            total_matched_tokens=len(m.full) * self.tokens_per_block + m.partial_len,
+            first_new_block=len(m.full))
+
+    def probe_prefix_match_length(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
+                                  mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> int:
+        """Tokens of ``tokens[:-1]`` held as full blocks on any tier: what the router's index would say."""
+        return self.analyze_prefix_reuse(tokens, lora_id, cache_salt, mm_keys, extra_ids).reusable_blocks_all \
+            * self.tokens_per_block
+
+    def get_needed_blocks_one_step(self, request_id: int) -> int:
+        """Blocks the next decode step of a running request must allocate (0 or 1)."""
+        seq = self._running(request_id)
+        return 1 if seq.num_tokens // self.tokens_per_block >= len(seq.blocks) else 0
+
+    def get_remaining_blocks_to_completion(self, request: Request) -> int:
+        """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded)."""
+        request.validate()
+        total = -(-(len(request.tokens) + request.max_new_tokens) // self.tokens_per_block)
+        seq = self._seqs.get(request.request_id)
+        if seq is not None:
+            return max(0, total - len(seq.blocks))
+        summary = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt,
+                                            request.mm_keys, request.extra_ids)
+        return total - summary.reusable_blocks_allocated
+
+    # ------------------------------------------------------------------ scheduling
+
+    def start_scheduling(self) -> None:
+        """Open a scheduling round: tentative releases are counted apart from the real books."""
+        for seq in self._seqs.values():
+            for b in seq.blocks:
+                b.sched_ref_count = b.ref_count
+        self._sched_free = self._evict.num_free(PRIMARY)
+
+    def scheduling_remove_sequence(self, request_id: int) -> None:
+        """Count the blocks that pausing ``request_id`` would free in this round."""
+        for b in self._running(request_id).blocks:
+            b.sched_ref_count -= 1
+            if b.sched_ref_count == 0:
+                self._sched_free += 1
+
+    @property
+    def scheduling_num_free_blocks(self) -> int:
+        return self._sched_free
+
+    # ------------------------------------------------------------------ reports
+
+    def stats(self) -> KvCacheStats:
+        free = self._evict.num_free(PRIMARY)
+        looked = self._reused + self._missed
+        total_blocks = self.num_primary + self.num_secondary
+        return KvCacheStats(
+            max_num_blocks=self.num_primary, free_num_blocks=free, used_num_blocks=self.num_primary - free,
+            tokens_per_block=self.tokens_per_block, alloc_total_blocks=self._alloc_total,
+            alloc_new_blocks=self._alloc_new, reused_blocks=self._reused, missed_blocks=self._missed,
+            cache_hit_rate=self._reused / looked if looked else 0.0,
+            num_free_secondary_blocks=self._evict.num_free(SECONDARY),
+            allocated_bytes=total_blocks * self.config.bytes_per_block if self.config.materialize else 0,
+            max_num_secondary_blocks=self.num_secondary, offloaded_blocks=self._offloaded,
+            onboarded_blocks=self._onboarded, events_dropped=self._events.dropped)
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the event buffer, oldest first."""
+        return self._events.take()
+
+    def _emit(self, event: KVEvent) -> None:
+        self._events.put(event)
+
+    def snapshot(self) -> list[StoredBlock]:
+        """Every reusable block, parents before children: enough for a router to rebuild this rank's index."""
+        out = []
+        stack: list[TreeNode] = [self._tree.root]
+        while stack:
+            node = stack.pop()
+            b = node.block
+            if b is not None:
+                parent = node.parent.block if node.parent is not None else None
+                out.append(StoredBlock(block_hash=b.block_hash,
+                                       parent_hash=parent.block_hash if parent is not None else None,
+                                       token_ids=list(b.key.tokens), medium=b.medium, lora_id=b.key.lora_id,
+                                       cache_salt=b.key.cache_salt, priority=b.priority))
+            stack.extend(node.children.values())
+        return out
+
+    def check_integrity(self) -> None:
+        """Prove the books balance; raises ``AssertionError`` naming the first broken invariant."""
+        refs: dict[int, int] = {}
+        for holder in (*(s.blocks for s in self._seqs.values()), *self._pinned.values()):
+            for b in holder:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        slots: tuple[set[int], set[int]] = (set(), set())
+        free = [0, 0]
+        for b in self.blocks:
+            want = refs.get(b.block_id, 0)
+            if b.ref_count != want:
+                raise AssertionError(f"block {b.block_id}: ref_count {b.ref_count}, held by {want} sequences")
+            if (b.ref_count > 0) == (b.level >= 0):
+                raise AssertionError(f"block {b.block_id}: ref_count {b.ref_count} but free-list level {b.level}")
+            if b.ref_count > 0 and b.tier != PRIMARY:
+                raise AssertionError(f"block {b.block_id}: referenced while on the host tier")
+            if b.level >= 0:
+                free[b.tier] += 1
+                if b.level != level_of(b):
+                    raise AssertionError(f"block {b.block_id}: in free level {b.level}, belongs in {level_of(b)}")
+            if b.slot in slots[b.tier]:
+                raise AssertionError(f"block {b.block_id}: slot {b.slot} of tier {b.tier} used twice")
+            slots[b.tier].add(b.slot)
+            if (b.node is None) != (b.key is None) or (b.key is None) != (b.block_hash is None):
+                raise AssertionError(f"block {b.block_id}: key, hash and tree node disagree")
+            if b.node is not None and (b.node.block is not b or b.node.key != b.key):
+                raise AssertionError(f"block {b.block_id}: its tree node does not point back")
+        for tier, size in ((PRIMARY, self.num_primary), (SECONDARY, self.num_secondary)):
+            if slots[tier] != set(range(size)):
+                raise AssertionError(f"tier {TIER_MEDIUM[tier]}: slots are not a permutation of the pool")
+            if free[tier] != self._evict.num_free(tier) or sum(self._evict.list_sizes(tier)) != free[tier]:
+                raise AssertionError(f"tier {TIER_MEDIUM[tier]}: free count {self._evict.num_free(tier)}, "
+                                     f"{free[tier]} blocks in its free lists")
+            if free[tier] > size:
+                raise AssertionError(f"tier {TIER_MEDIUM[tier]}: more free blocks than the pool holds")
+        stack = [self._tree.root]
+        nodes = 0
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                nodes += 1
+                if child.parent is not node or child.key != key:
+                    raise AssertionError("prefix tree: a child does not point back to its parent")
+                if child.block is not None and child.block.node is not child:
+                    raise AssertionError(f"prefix tree: node's block {child.block.block_id} points elsewhere")
+                if child.block is None and not child.children:
+                    raise AssertionError("prefix tree: an empty leaf was not pruned")
+                stack.append(child)
+        if nodes != self._tree.num_nodes:
+            raise AssertionError(f"prefix tree: {nodes} nodes reachable, {self._tree.num_nodes} counted")

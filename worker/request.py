@@ -1,0 +1,92 @@
+"""A request as the ledger sees it: prompt tokens, reuse constraints, retention wishes."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker.block_key import MmKey, validate_prompt
+from worker.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+
+
+def _check_priority(what: str, p: object) -> None:
+    if not isinstance(p, int) or isinstance(p, bool) or not MIN_PRIORITY <= p <= MAX_PRIORITY:
+        raise ValueError(f"{what} must be an int in {MIN_PRIORITY}..{MAX_PRIORITY}, got {p!r}")
+
+
+def _check_duration(what: str, d: object) -> None:
+    if d is not None and (not isinstance(d, (int, float)) or isinstance(d, bool) or d <= 0):
+        raise ValueError(f"{what} must be None or a positive number of seconds, got {d!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRange:
+    """Blocks overlapping prompt positions ``[start, end)`` get ``priority`` (for ``duration_s``, or for good)."""
+
+    start: int
+    end: int | None
+    priority: int
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"TokenRange.start must be a non-negative int, got {self.start!r}")
+        if self.end is not None and (not isinstance(self.end, int) or self.end <= self.start):
+            raise ValueError(f"TokenRange.end must be None or an int > start, got {self.end!r}")
+        _check_priority("TokenRange.priority", self.priority)
+        _check_duration("TokenRange.duration_s", self.duration_s)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """Retention priorities by prompt position, and for blocks written while decoding (TensorRT-LLM's)."""
+
+    ranges: Sequence[TokenRange] = ()
+    decode_priority: int = DEFAULT_PRIORITY
+    decode_duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for r in self.ranges:
+            if not isinstance(r, TokenRange):
+                raise TypeError(f"RetentionConfig.ranges must hold TokenRange items, got {type(r).__name__}")
+        _check_priority("RetentionConfig.decode_priority", self.decode_priority)
+        _check_duration("RetentionConfig.decode_duration_s", self.decode_duration_s)
+
+    def for_block(self, lo: int, hi: int, prompt_len: int) -> tuple[int, float | None]:
+        """Priority and duration of the block covering positions ``[lo, hi)``.
+
+        A block past the prompt is a decode block. Otherwise the highest priority
+        among the ranges that overlap it wins; no range means the default.
+        """
+        if lo >= prompt_len:
+            return self.decode_priority, self.decode_duration_s
+        best: tuple[int, float | None] | None = None
+        for r in self.ranges:
+            if r.start < hi and (r.end is None or lo < r.end) and (best is None or r.priority > best[0]):
+                best = (r.priority, r.duration_s)
+        return best if best is not None else (DEFAULT_PRIORITY, None)
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request: its prompt and what its KV may be shared with."""
+
+    request_id: int
+    tokens: list[int]
+    max_new_tokens: int = 0
+    lora_id: int | None = None
+    cache_salt: str | None = None
+    mm_keys: Sequence[MmKey] = ()
+    extra_ids: list[int] | None = None
+    retention: RetentionConfig | None = None
+
+    def validate(self) -> None:
+        """Raise naming the first bad field; the ledger calls this before touching anything."""
+        if not isinstance(self.request_id, int) or isinstance(self.request_id, bool):
+            raise TypeError(f"request_id must be an int, got {self.request_id!r}")
+        validate_prompt(self.tokens, self.lora_id, self.cache_salt, self.mm_keys, self.extra_ids)
+        if len(self.tokens) == 0:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"request {self.request_id}: max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        if self.retention is not None and not isinstance(self.retention, RetentionConfig):
+            raise TypeError(f"request {self.request_id}: retention must be a RetentionConfig, got {type(self.retention).__name__}")

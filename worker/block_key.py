@@ -36,7 +36,7 @@ class MmKey:
             raise ValueError(f"MmKey needs start >= 0 and length > 0, got start={self.start!r} length={self.length!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class BlockKey:
     """Everything the KV of one block depends on besides the blocks before it."""
 
@@ -68,13 +68,17 @@ class BlockKey:
         return n
 
 
+_INT_ONLY = {int}
+_PACKER = msgpack.Packer()
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def chain_hash(parent: int, key: BlockKey) -> BlockHash:
     """The hash of ``key`` following the prefix named by ``parent``."""
-    payload = msgpack.packb((parent, key.tokens, key.extra_ids, key.lora_id, key.mm_keys, key.cache_salt))
+    payload = _PACKER.pack((parent, key.tokens, key.extra_ids, key.lora_id, key.mm_keys, key.cache_salt))
     return BlockHash(int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big"))
 
 
@@ -83,9 +87,10 @@ def validate_prompt(tokens: Sequence[int], lora_id: int | None, cache_salt: str 
     """Raise ``TypeError``/``ValueError`` naming the first bad field of a prompt."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    for i, t in enumerate(tokens):
-        if not _is_int(t) or t < 0:
-            raise ValueError(f"tokens[{i}] must be a non-negative int, got {t!r}")
+    if not (tokens and type(tokens) is list and set(map(type, tokens)) == _INT_ONLY and min(tokens) >= 0):
+        for i, t in enumerate(tokens):
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"tokens[{i}] must be a non-negative int, got {t!r}")
     if lora_id is not None and (not _is_int(lora_id) or lora_id < 0):
         raise ValueError(f"lora_id must be None or a non-negative int, got {lora_id!r}")
     if cache_salt is not None and not isinstance(cache_salt, str):
@@ -108,6 +113,10 @@ def block_keys(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int | N
     """Keys of the blocks of ``tokens`` from ``start_block`` on; the trailing partial block only if asked."""
     n = len(tokens)
     end = -(-n // tokens_per_block) if include_partial else n // tokens_per_block
+    if not mm_keys and extra_ids is None:
+        return [BlockKey(tuple(tokens[lo:lo + tokens_per_block]), None, lora_id, (), cache_salt)
+                for lo in range(start_block * tokens_per_block, n if include_partial else end * tokens_per_block,
+                                tokens_per_block)]
     keys = []
     for b in range(start_block, end):
         lo, hi = b * tokens_per_block, min(n, (b + 1) * tokens_per_block)

@@ -20,7 +20,7 @@ import msgpack
 Medium = Literal["GPU", "CPU"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockStored:
     """Full blocks became reusable; ``block_hashes[i]`` follows ``block_hashes[i-1]`` (the first follows the parent)."""
 
@@ -37,7 +37,7 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockRemoved:
     """Blocks no longer held on ``medium`` (evicted or overwritten)."""
 
@@ -59,7 +59,7 @@ class KVCacheCreated:
     block_size: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockUpdated:
     """A held block changed tier (offload, onboard) or retention priority; ``None`` = unchanged."""
 

@@ -44,6 +44,32 @@ class EvictionPolicy:
         self._mask[block.tier] |= 1 << level
         self._free[block.tier] += 1
 
+    def release_n(self, blocks: list[Block]) -> None:
+        """``release`` each block in order; runs of one tier and level are linked in one pass."""
+        i, n = 0, len(blocks)
+        tick = self._tick
+        for b in blocks:
+            b.freed_at = tick
+            tick += 1
+        self._tick = tick
+        while i < n:
+            b = blocks[i]
+            assert b.level < 0, f"block {b.block_id} released twice"
+            tier, level = b.tier, level_of(b)
+            b.level = level
+            j = i + 1
+            while j < n:
+                c = blocks[j]
+                assert c.level < 0, f"block {c.block_id} released twice"
+                if c.tier != tier or (0 if c.key is None else c.priority + 1) != level:
+                    break
+                c.level = level
+                j += 1
+            self._lists[tier][level].extend(blocks[i:j])
+            self._mask[tier] |= 1 << level
+            self._free[tier] += j - i
+            i = j
+
     def claim(self, block: Block) -> None:
         """Take a free block out of its list (it is being used or moved)."""
         assert block.level >= 0, f"block {block.block_id} claimed while not free"

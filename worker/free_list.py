@@ -22,6 +22,18 @@ class FreeList:
         last.fl_next = self._head.fl_prev = block
         self.size += 1
 
+    def extend(self, blocks: list[Block]) -> None:
+        """Append blocks in order (one relinking pass, no per-block call)."""
+        head = self._head
+        last = head.fl_prev
+        for b in blocks:
+            b.fl_prev = last
+            last.fl_next = b
+            last = b
+        last.fl_next = head
+        head.fl_prev = last
+        self.size += len(blocks)
+
     def appendleft(self, block: Block) -> None:
         first = self._head.fl_next
         block.fl_prev, block.fl_next = self._head, first

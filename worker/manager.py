@@ -39,6 +39,8 @@ class _Match:
     partial: Block | None = None
     partial_len: int = 0
     in_place: bool = False
+    keys: list[BlockKey] | None = None
+    """The prompt's block keys (the trailing partial block included), reused by the store."""
 
 
 @dataclass(slots=True)
@@ -147,7 +149,7 @@ class KVCacheManager:
                 break
             full.append(child.block)
             node = child
-        m = _Match(full)
+        m = _Match(full, keys=keys)
         limit = min(T, usable - len(full) * T)
         if self.config.enable_partial_reuse and limit > 0 and len(full) < len(keys):
             cand, n = self._tree.best_partial(node, keys[len(full)], limit)
@@ -223,7 +225,9 @@ class KVCacheManager:
             prepop = len(m.full) * T + m.partial_len
             adm = Admission(prepopulated_tokens=prepop, reused_blocks=len(m.full), partial_tokens=m.partial_len,
                             copied_blocks=copied, onboarded_blocks=n_onboarded, allocated_blocks=p.new_blocks)
-            seq = Sequence(request=r, blocks=blocks, num_tokens=len(r.tokens), admission=adm, tokens=list(r.tokens))
+            seq = Sequence(request=r, blocks=blocks, num_tokens=len(r.tokens), admission=adm, tokens=list(r.tokens),
+                           keys=m.keys[:len(r.tokens) // T] if m.keys else [],
+                           hashes=[b.block_hash for b in m.full], stored=len(m.full))
             self._apply_retention(seq, 0)
             self._seqs[r.request_id] = seq
             seqs.append(seq)
@@ -268,14 +272,16 @@ class KVCacheManager:
         seq = self._running(request_id)
         self._store(seq, len(seq.request.tokens) // self.tokens_per_block)
 
-    def remove_sequence(self, request_id: int, pin: bool = False) -> list[int]:
+    def remove_sequence(self, request_id: int, pin: bool = False, store: bool = True) -> list[int]:
         """Finish a request: store its full blocks for reuse, then release them.
 
         With ``pin=True`` the blocks stay held (for example while a transfer reads
         them) until ``unpin_sequence``; returns the ids of the pinned blocks.
+        ``store=False`` aborts: blocks whose KV was never written must not become reusable.
         """
         seq = self._running(request_id)
-        self._store(seq, seq.storable_blocks(self.tokens_per_block))
+        if store:
+            self._store(seq, seq.storable_blocks(self.tokens_per_block))
         del self._seqs[request_id]
         if pin:
             self._pinned[request_id] = seq.blocks
@@ -291,8 +297,15 @@ class KVCacheManager:
 
     def _release(self, blocks: list[Block]) -> None:
         """Drop one reference of each block, tail first, so a prefix outlives its suffix in the LRU order."""
+        freed = []
         for b in reversed(blocks):
-            self._unref(b)
+            assert b.ref_count > 0, f"block {b.block_id} released more often than held"
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                if b.node is None:
+                    self._clear(b)
+                freed.append(b)
+        self._evict.release_n(freed)
 
     def _running(self, request_id: int) -> Sequence:
         seq = self._seqs.get(request_id)
@@ -307,10 +320,13 @@ class KVCacheManager:
         if count <= 0:
             return
         T = self.tokens_per_block
+        c = seq.stored
+        if c >= count:
+            return
         seq.ensure_keys(count, T)
-        node = self._tree.root
+        node = seq.blocks[c - 1].node if c else self._tree.root
         run: list[int] = []
-        for i in range(count):
+        for i in range(c, count):
             key, b = seq.keys[i], seq.blocks[i]
             node = self._tree.child_or_new(node, key)
             if node.block is None and b.node is None:
@@ -326,6 +342,9 @@ class KVCacheManager:
                     self._announce_stored(seq, run)
                     run = []
                 assert node.block is b or b.node is None, f"block {b.block_id} stored at two nodes"
+            if c == i and b.node is node:
+                c += 1
+        seq.stored = c
         if run:
             self._announce_stored(seq, run)
 

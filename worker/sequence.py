@@ -21,6 +21,8 @@ class Sequence:
     """Tokens past ``len(tokens)`` exist whose ids the ledger was not told."""
     keys: list[BlockKey] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
+    stored: int = 0
+    """Leading blocks known to sit in the prefix tree as themselves (held, so they stay there)."""
 
     def storable_blocks(self, tokens_per_block: int) -> int:
         """Full blocks whose every token id is known."""
@@ -28,12 +30,13 @@ class Sequence:
 
     def ensure_keys(self, count: int, tokens_per_block: int) -> None:
         """Compute keys and chained hashes of the first ``count`` full blocks, each only once."""
-        if len(self.keys) >= count:
-            return
-        r = self.request
-        end = count * tokens_per_block
-        new = block_keys(self.tokens[:end], tokens_per_block, lora_id=r.lora_id, cache_salt=r.cache_salt,
-                         mm_keys=r.mm_keys, extra_ids=None if r.extra_ids is None else r.extra_ids[:end],
-                         start_block=len(self.keys))
-        self.keys.extend(new)
-        self.hashes.extend(chain_hashes(new, self.hashes[-1] if self.hashes else ROOT_HASH))
+        if len(self.keys) < count:
+            r = self.request
+            end = count * tokens_per_block
+            self.keys.extend(block_keys(self.tokens[:end], tokens_per_block, lora_id=r.lora_id,
+                                        cache_salt=r.cache_salt, mm_keys=r.mm_keys,
+                                        extra_ids=None if r.extra_ids is None else r.extra_ids[:end],
+                                        start_block=len(self.keys)))
+        done = len(self.hashes)
+        if done < count:
+            self.hashes.extend(chain_hashes(self.keys[done:count], self.hashes[-1] if done else ROOT_HASH))

@@ -1,0 +1,1 @@
+"""The KV-cache-aware router: global prefix index from events, probing, routing policies."""

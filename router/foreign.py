@@ -1,0 +1,163 @@
+"""Index a foreign engine (a real vLLM) whose block hashes are not ours.
+
+vLLM names blocks with its own hash, so its hashes never meet the ones the
+router probes with. This feed re-hashes each stored block from its
+``token_ids`` with our ``chain_hash``, chained from the parent's mapped hash
+(``ROOT_HASH`` for a prompt's first block), and keeps, per foreign rank, the
+map from vLLM hash to ours with a count of stores, so a later removal or tier
+move by vLLM hash reaches the right entry of the index.
+
+A store whose parent was never seen (stored before the router listened) cannot
+be re-hashed and is skipped; removals of hashes never mapped are skipped too.
+Multimodal and per-token extra keys are not on vLLM's wire as we decode it, so
+only text prompts (with LoRA id and cache salt) map faithfully.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.index import ApplyResult, ApplyStatus, PrefixIndex, check_event
+from worker.block_key import ROOT_HASH, block_keys, chain_hashes
+from worker.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch, KVCacheCreated,
+                           KVEvent)
+
+
+@dataclass(slots=True)
+class ForeignStats:
+    blocks_mapped: int = 0
+    stores_skipped: int = 0
+    """Stores whose parent hash was unknown, so could not be re-hashed."""
+    hashes_unmapped: int = 0
+    """Removals or moves naming a hash never mapped."""
+
+
+class _Overlay:
+    """One batch's changes to a rank's hash map, kept apart until the index has applied the batch."""
+
+    __slots__ = ("base", "changes", "cleared", "stats")
+
+    def __init__(self, base: dict[int, tuple[int, int]]) -> None:
+        self.base = base
+        self.changes: dict[int, tuple[int, int] | None] = {}
+        self.cleared = False
+        self.stats = ForeignStats()
+
+    def get(self, foreign: int) -> tuple[int, int] | None:
+        if foreign in self.changes:
+            return self.changes[foreign]
+        return None if self.cleared else self.base.get(foreign)
+
+    def merged(self) -> dict[int, tuple[int, int]]:
+        out = {} if self.cleared else self.base
+        for k, v in self.changes.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = v
+        return out
+
+
+class ForeignFeed:
+    """Feeds ``index`` from foreign engines' batches, translating their hashes (see the module docstring)."""
+
+    __slots__ = ("_index", "_maps", "stats")
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+        self._maps: dict[int, dict[int, tuple[int, int]]] = {}   # rank -> foreign hash -> (our hash, stores)
+        self.stats = ForeignStats()
+
+    def mapped(self, rank: int, foreign_hash: int) -> int | None:
+        """Our hash for ``rank``'s block ``foreign_hash``, if it is held."""
+        entry = self._maps.get(rank, {}).get(foreign_hash)
+        return None if entry is None else entry[0]
+
+    def apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+        """Translate and apply batch ``seq`` of foreign ``rank``; the map changes only if the index applies it."""
+        if not isinstance(batch, EventBatch):
+            raise TypeError(f"batch must be a worker.events.EventBatch, got {type(batch).__name__}")
+        index = self._index
+        if seq != index.next_seq(rank) or index.awaiting_snapshot(rank):
+            # Numbering alone decides: gap, duplicate or restart. Nothing to translate.
+            result = index.apply(rank, seq, EventBatch(batch.ts, [], batch.rank))
+        else:
+            if type(batch.events) is not list:
+                raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
+            for i, ev in enumerate(batch.events):
+                check_event(ev, i)
+            overlay = _Overlay(self._maps.get(rank, {}))
+            events = [out for i, ev in enumerate(batch.events)
+                      if (out := self._translate(overlay, ev, i)) is not None]
+            result = index.apply(rank, seq, EventBatch(batch.ts, events, batch.rank))
+            if result.applied:
+                self._maps[rank] = overlay.merged()
+                self.stats.blocks_mapped += overlay.stats.blocks_mapped
+                self.stats.stores_skipped += overlay.stats.stores_skipped
+                self.stats.hashes_unmapped += overlay.stats.hashes_unmapped
+                return result
+        if result.status is ApplyStatus.SNAPSHOT:
+            self._maps.pop(rank, None)   # its cache is gone or our view diverged: the map is stale too
+        return result
+
+    def reset(self, rank: int, next_seq: int) -> None:
+        """After a restart: a foreign engine has no snapshot for us, so start ``rank`` empty at ``next_seq``."""
+        self._index.load_snapshot(rank, (), next_seq)
+        self._maps.pop(rank, None)
+
+    def remove_rank(self, rank: int) -> None:
+        self._index.remove_rank(rank)
+        self._maps.pop(rank, None)
+
+    def _translate(self, overlay: _Overlay, ev: KVEvent, i: int) -> KVEvent | None:
+        t = type(ev)
+        if t is BlockStored:
+            return self._stored(overlay, ev, i)
+        if t is BlockRemoved:
+            ours = [h for f in ev.block_hashes if (h := self._release(overlay, f)) is not None]
+            return BlockRemoved(ours, ev.medium, ev.group_idx) if ours else None
+        if t is BlockUpdated:
+            entry = overlay.get(ev.block_hash)
+            if entry is None:
+                overlay.stats.hashes_unmapped += 1
+                return None
+            return BlockUpdated(entry[0], ev.old_medium, ev.new_medium, ev.old_priority, ev.new_priority)
+        if t is AllBlocksCleared or t is KVCacheCreated:
+            overlay.cleared, overlay.changes = True, {}
+            return ev
+        raise TypeError(f"events[{i}] must be a worker.events event, got {t.__name__}")
+
+    def _stored(self, overlay: _Overlay, ev: BlockStored, i: int) -> BlockStored | None:
+        tpb = self._index.tokens_per_block
+        n = len(ev.block_hashes)
+        if ev.block_size != tpb:
+            raise ValueError(f"events[{i}]: block_size {ev.block_size} differs from the index's tokens_per_block {tpb}")
+        if len(ev.token_ids) != n * tpb:
+            raise ValueError(f"events[{i}]: {n} blocks need {n * tpb} token_ids to re-hash, got {len(ev.token_ids)}")
+        if ev.parent_block_hash is None:
+            parent = ROOT_HASH
+        else:
+            entry = overlay.get(ev.parent_block_hash)
+            if entry is None:
+                overlay.stats.stores_skipped += 1
+                return None
+            parent = entry[0]
+        ours = chain_hashes(block_keys(ev.token_ids, tpb, lora_id=ev.lora_id, cache_salt=ev.cache_salt), parent)
+        out = []
+        for foreign, mine in zip(ev.block_hashes, ours):
+            entry = overlay.get(foreign)
+            # A hash already mapped keeps its mapping, so its removal later finds the entry it made.
+            mapped = mine if entry is None else entry[0]
+            overlay.changes[foreign] = (mapped, 1 if entry is None else entry[1] + 1)
+            out.append(mapped)
+        overlay.stats.blocks_mapped += n
+        return BlockStored(out, None if ev.parent_block_hash is None else parent, ev.token_ids, ev.block_size,
+                           ev.lora_id, ev.medium, ev.lora_name, ev.cache_salt, ev.priority, ev.group_idx,
+                           ev.kv_cache_spec_kind)
+
+    def _release(self, overlay: _Overlay, foreign: int) -> int | None:
+        entry = overlay.get(foreign)
+        if entry is None:
+            overlay.stats.hashes_unmapped += 1
+            return None
+        overlay.changes[foreign] = None if entry[1] == 1 else (entry[0], entry[1] - 1)
+        return entry[0]

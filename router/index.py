@@ -1,0 +1,567 @@
+"""The router's global prefix index: block hash -> the ranks holding it and on which tier.
+
+Built only from the ranks' numbered event batches. Chained hashes name whole
+prefixes, so the index is a flat map rather than a tree: ``holders[h]`` is a
+bit mask of the ranks holding ``h`` on any tier, ``host_only[h]`` of those
+holding it only on the host tier (each rank owns one bit, reused after it
+leaves). Masks are plain ints: one AND per block walks every rank at once, and
+the maps hold no container objects for the garbage collector to traverse.
+
+Each rank's holdings are reference counts per (hash, tier) -- two stores of one
+hash then one removal leave it held, as vLLM's block pool may hold two blocks
+with one hash -- packed into one int: device refs in the low 32 bits, host refs
+above. The per-rank map makes purging a rank O(its blocks).
+
+Batches are numbered per rank from 0. ``apply`` applies the expected number,
+ignores old ones, asks for a replay on a gap and for a snapshot on a restart (or
+when an event contradicts the books, which means the view has diverged). Field
+types and block sizes are checked before anything changes; a contradiction found
+while applying rolls back what the batch did, so no batch is ever half applied.
+"""
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import compress, repeat
+from typing import Protocol
+
+from worker.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch, KVCacheCreated,
+                           KVEvent, Medium, decode_batch)
+
+_U64_MAX = 2**64 - 1
+_INT_ONLY = frozenset({int})
+_MEDIA = ("GPU", "CPU")
+_DEV = 1                  # one device-tier ref
+_HOST = 1 << 32           # one host-tier ref
+_DEV_MASK = _HOST - 1
+
+
+def _tier_unit(medium: Medium | None) -> int:
+    """The packed increment for one ref on ``medium`` (``None`` = unspecified = device, as vLLM means it)."""
+    return _HOST if medium == "CPU" else _DEV
+
+
+class ApplyStatus(enum.Enum):
+    """What ``PrefixIndex.apply`` did with a batch."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    """An old number (already applied): ignored."""
+    REPLAY = "replay"
+    """A gap: the batch was not applied; fetch the rank's batches from ``replay_from`` and apply them in order."""
+    SNAPSHOT = "snapshot"
+    """Restart or divergence: nothing applied until ``load_snapshot`` rebuilds the rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """The outcome of one ``apply``; ``next_seq`` is the number the index expects next from the rank."""
+
+    status: ApplyStatus
+    next_seq: int
+    reason: str = ""
+
+    @property
+    def applied(self) -> bool:
+        return self.status is ApplyStatus.APPLIED
+
+    @property
+    def replay_from(self) -> int | None:
+        """The first batch number to fetch again, when the status is ``REPLAY``."""
+        return self.next_seq if self.status is ApplyStatus.REPLAY else None
+
+
+class SnapshotEntry(Protocol):
+    """One block a rank holds, as its snapshot lists it (``worker.manager.StoredBlock`` is one)."""
+
+    @property
+    def block_hash(self) -> int: ...
+
+    @property
+    def medium(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotBlock:
+    """The least a snapshot entry carries; a hash listed twice holds two refs."""
+
+    block_hash: int
+    medium: Medium = "GPU"
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Counters for the edges to export; the core does not know how they are shown."""
+
+    batches_applied: int = 0
+    batches_duplicate: int = 0
+    replays_requested: int = 0
+    snapshots_requested: int = 0
+    snapshots_loaded: int = 0
+
+
+@dataclass(slots=True)
+class _Feed:
+    """One rank's numbering, its bit in the holder masks, and its holdings."""
+
+    next_seq: int
+    bit: int
+    refs: dict[int, int] = field(default_factory=dict)   # hash -> device refs | host refs << 32
+    awaiting_snapshot: bool = False
+
+
+class PrefixIndex:
+    """Block hash -> holding ranks and tiers, from numbered event batches (see the module docstring)."""
+
+    __slots__ = ("tokens_per_block", "stats", "_holders", "_host_only", "_feeds", "_slot_rank", "_free_slots")
+
+    def __init__(self, tokens_per_block: int) -> None:
+        if type(tokens_per_block) is not int or tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
+        self.tokens_per_block = tokens_per_block
+        self.stats = IndexStats()
+        self._holders: dict[int, int] = {}     # hash -> mask of the ranks' bits, any tier
+        self._host_only: dict[int, int] = {}   # hash -> mask of ranks holding it on the host tier only
+        self._feeds: dict[int, _Feed] = {}
+        self._slot_rank: list[int | None] = []  # bit position -> rank
+        self._free_slots: list[int] = []        # min-heap of freed bit positions
+
+    # --- reading ------------------------------------------------------------
+
+    def ranks(self) -> list[int]:
+        """Ranks the index has heard from, ascending."""
+        return sorted(self._feeds)
+
+    def next_seq(self, rank: int) -> int:
+        """The batch number expected next from ``rank`` (0 for a rank never heard from)."""
+        feed = self._feeds.get(rank)
+        return 0 if feed is None else feed.next_seq
+
+    def awaiting_snapshot(self, rank: int) -> bool:
+        feed = self._feeds.get(rank)
+        return feed is not None and feed.awaiting_snapshot
+
+    def refs(self, rank: int, block_hash: int) -> tuple[int, int]:
+        """``(device refs, host refs)`` that ``rank`` holds on ``block_hash``."""
+        feed = self._feeds.get(rank)
+        v = 0 if feed is None else feed.refs.get(block_hash, 0)
+        return v & _DEV_MASK, v >> 32
+
+    def holders(self, block_hash: int) -> list[int]:
+        """Ranks holding ``block_hash`` on any tier, ascending."""
+        return sorted(self._ranks_in(self._holders.get(block_hash, 0)))
+
+    def num_blocks(self, rank: int | None = None) -> int:
+        """Distinct hashes held by ``rank``, or by anyone when ``rank`` is None."""
+        if rank is None:
+            return len(self._holders)
+        feed = self._feeds.get(rank)
+        return 0 if feed is None else len(feed.refs)
+
+    def longest_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """Per rank holding ``hashes[0]``: ``(blocks, host-only blocks)`` of its longest held prefix of the chain.
+
+        A rank drops out at its first missing block. Consecutive blocks mostly
+        have the same holders, so the common step is one dict lookup and one
+        comparison with the previous mask, whatever the number of ranks; Python
+        only does more where the holders change.
+        """
+        holders = self._holders
+        n = len(hashes)
+        active = holders.get(hashes[0], 0) if n else 0
+        if not active:
+            return {}
+        ends: list[tuple[int, int]] = []   # (ranks' bits, blocks they matched)
+        end, prev = n, active
+        for j, m in enumerate(map(holders.get, hashes)):
+            if m != prev:
+                if m is None or active & m != active:   # some rank of ``active`` lacks block j
+                    if m is not None:
+                        ends.append((active & ~m, j))
+                        active &= m
+                    if m is None or not active:
+                        end = j
+                        break
+                prev = m
+        ends.append((active, end))
+        host: dict[int, int] = {}   # bit -> host-only blocks within its match
+        if self._host_only:
+            longest = max(matched for bits, matched in ends if bits)
+            host_masks = list(map(self._host_only.get, hashes[:longest], repeat(0)))
+            for j in compress(range(longest), host_masks):   # only blocks some rank holds on the host tier
+                for bits, matched in ends:
+                    hit = host_masks[j] & bits
+                    while hit and matched > j:
+                        low = hit & -hit
+                        host[low] = host.get(low, 0) + 1
+                        hit ^= low
+        slot_rank = self._slot_rank
+        out: dict[int, tuple[int, int]] = {}
+        for bits, matched in ends:
+            while bits:
+                low = bits & -bits
+                rank = slot_rank[low.bit_length() - 1]
+                assert rank is not None, "a freed slot's bit was left in a mask"
+                out[rank] = (matched, host.get(low, 0))
+                bits ^= low
+        return out
+
+    # --- writing ------------------------------------------------------------
+
+    def apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+        """Apply batch number ``seq`` of ``rank`` if it is the next one (see ``ApplyStatus`` otherwise).
+
+        Malformed events raise ``TypeError``/``ValueError`` and change nothing.
+        """
+        if not isinstance(batch, EventBatch):
+            raise TypeError(f"batch must be a worker.events.EventBatch, got {type(batch).__name__}")
+        events = batch.events
+        if type(events) is not list:
+            raise TypeError(f"batch.events must be a list, got {type(events).__name__}")
+        for i, ev in enumerate(events):
+            check_event(ev, i)
+        return self._apply(rank, seq, batch)
+
+    def apply_bytes(self, rank: int, seq: int, data: bytes) -> ApplyResult:
+        """Decode a wire batch (``worker.events.decode_batch``, which validates every field) and apply it.
+
+        Raises ``EventDecodeError`` (a ``ValueError``) for malformed bytes, changing nothing.
+        """
+        return self._apply(rank, seq, decode_batch(data))
+
+    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry], next_seq: int) -> None:
+        """Rebuild ``rank``'s holdings from nothing; batches continue at ``next_seq``."""
+        _check_rank(rank)
+        _check_seq(next_seq, "next_seq")
+        refs: dict[int, int] = {}
+        for i, b in enumerate(blocks):
+            try:
+                h, medium = b.block_hash, b.medium
+            except AttributeError:
+                raise TypeError(f"blocks[{i}] must have block_hash and medium (e.g. SnapshotBlock), "
+                                f"got {type(b).__name__}") from None
+            _check_hash(h, f"blocks[{i}].block_hash")
+            if medium not in _MEDIA:
+                raise ValueError(f"blocks[{i}].medium must be 'GPU' or 'CPU', got {medium!r}")
+            refs[h] = refs.get(h, 0) + _tier_unit(medium)
+        feed = self._feeds.get(rank)
+        if feed is None:
+            feed = self._new_feed(rank)
+        else:
+            self._purge(feed)
+        feed.next_seq, feed.awaiting_snapshot = next_seq, False
+        self._install(feed, refs)
+        self.stats.snapshots_loaded += 1
+
+    def remove_rank(self, rank: int) -> None:
+        """Forget ``rank`` at once (it died): its blocks and its numbering. Unknown ranks are ignored."""
+        feed = self._feeds.pop(rank, None)
+        if feed is not None:
+            self._purge(feed)
+            slot = feed.bit.bit_length() - 1
+            self._slot_rank[slot] = None
+            heapq.heappush(self._free_slots, slot)
+
+    # --- internals ----------------------------------------------------------
+
+    def _new_feed(self, rank: int) -> _Feed:
+        """A feed with the lowest free bit, so masks stay as short as the cluster is small."""
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+            self._slot_rank[slot] = rank
+        else:
+            slot = len(self._slot_rank)
+            self._slot_rank.append(rank)
+        feed = self._feeds[rank] = _Feed(0, 1 << slot)
+        return feed
+
+    def _ranks_in(self, mask: int) -> list[int]:
+        out = []
+        while mask:
+            low = mask & -mask
+            rank = self._slot_rank[low.bit_length() - 1]
+            assert rank is not None, "a freed slot's bit was left in a mask"
+            out.append(rank)
+            mask ^= low
+        return out
+
+    def _apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+        _check_rank(rank)
+        _check_seq(seq, "seq")
+        if batch.rank is not None and batch.rank != rank:
+            raise ValueError(f"batch says rank {batch.rank} but was applied as rank {rank}")
+        feed = self._feeds.get(rank)
+        expected = 0 if feed is None else feed.next_seq
+        if feed is not None and feed.awaiting_snapshot:
+            return ApplyResult(ApplyStatus.SNAPSHOT, expected, "still waiting for a snapshot")
+        if seq == 0 and expected > 0:
+            assert feed is not None
+            return self._restart(feed, "numbering restarted at 0: the rank restarted")
+        if seq < expected:
+            self.stats.batches_duplicate += 1
+            return ApplyResult(ApplyStatus.DUPLICATE, expected)
+        if seq > expected:
+            self.stats.replays_requested += 1
+            return ApplyResult(ApplyStatus.REPLAY, expected, f"got batch {seq}, expected {expected}")
+        events = batch.events
+        restart = self._check_sizes(seq, events)
+        if feed is None:
+            feed = self._new_feed(rank)
+        if restart is not None:
+            return self._restart(feed, restart)
+        diverged = self._commit(feed, events)
+        if diverged is not None:
+            return self._ask_snapshot(feed, diverged)
+        feed.next_seq = seq + 1
+        self.stats.batches_applied += 1
+        return ApplyResult(ApplyStatus.APPLIED, seq + 1)
+
+    def _check_sizes(self, seq: int, events: list[KVEvent]) -> str | None:
+        """Raise on a block size that is not ours; say why, if the batch shows the rank restarted."""
+        tpb = self.tokens_per_block
+        for i, ev in enumerate(events):
+            t = type(ev)
+            if t is BlockStored and ev.block_size != tpb:
+                raise ValueError(f"events[{i}]: block_size {ev.block_size} differs from the index's "
+                                 f"tokens_per_block {tpb}; a rank with another block size never matches")
+            if t is KVCacheCreated:
+                if ev.block_size != tpb:
+                    raise ValueError(f"events[{i}]: KVCacheCreated.block_size {ev.block_size} differs from the "
+                                     f"index's tokens_per_block {tpb}")
+                if seq > 0:
+                    return f"KVCacheCreated in batch {seq}: the rank restarted"
+        return None
+
+    def _commit(self, feed: _Feed, events: list[KVEvent]) -> str | None:
+        """Apply the events in order. A removal or move of a block the rank does not hold on that tier
+        means our view diverged: everything this batch did is rolled back and the reason returned.
+
+        Checking as we go keeps the common path free of a second pass over every hash.
+        """
+        holders = self._holders
+        hget = holders.get
+        bit = feed.bit
+        cleared: list[dict[int, int]] = []   # the holdings each clear dropped, for a roll-back
+        for i, ev in enumerate(events):
+            t = type(ev)
+            refs = feed.refs
+            if t is BlockStored:
+                hs = ev.block_hashes
+                if ev.medium != "CPU" and refs.keys().isdisjoint(hs):
+                    # The common case, new device blocks: one C-level update for the refs.
+                    fresh = dict.fromkeys(hs, _DEV)
+                    if len(fresh) == len(hs):
+                        refs.update(fresh)
+                        for h in hs:
+                            holders[h] = hget(h, 0) | bit
+                        continue
+                unit = _tier_unit(ev.medium)
+                for h in hs:
+                    self._add(feed, h, unit)
+            elif t is BlockRemoved:
+                unit = _tier_unit(ev.medium)
+                for j, h in enumerate(ev.block_hashes):
+                    v = refs.get(h, 0)
+                    if v == unit:   # its last ref: the common case
+                        del refs[h]
+                        m = holders[h] & ~bit
+                        if m:
+                            holders[h] = m
+                        else:
+                            del holders[h]
+                        if unit == _HOST:
+                            self._clear_host_only(h, bit)
+                    elif _held(v, unit):
+                        self._sub(feed, h, unit)
+                    else:
+                        self._roll_back(feed, events, i, j, cleared)
+                        return _diverged(i, "removes", h, unit)
+            elif t is BlockUpdated:
+                if _is_move(ev):
+                    old = _tier_unit(ev.old_medium)
+                    if not _held(refs.get(ev.block_hash, 0), old):
+                        self._roll_back(feed, events, i, 0, cleared)
+                        return _diverged(i, "moves", ev.block_hash, old)
+                    # add before taking away, so the block never looks absent mid-move
+                    self._add(feed, ev.block_hash, _tier_unit(ev.new_medium))
+                    self._sub(feed, ev.block_hash, old)
+            else:  # AllBlocksCleared, or KVCacheCreated opening batch 0
+                cleared.append(refs)
+                self._purge(feed)
+        return None
+
+    def _roll_back(self, feed: _Feed, events: list[KVEvent], i: int, j: int, cleared: list[dict[int, int]]) -> None:
+        """Undo ``events[:i]`` and the first ``j`` hashes of ``events[i]`` (a removal), newest first."""
+        ev = events[i]
+        if type(ev) is BlockRemoved:
+            unit = _tier_unit(ev.medium)
+            for h in reversed(ev.block_hashes[:j]):
+                self._add(feed, h, unit)
+        for ev in reversed(events[:i]):
+            t = type(ev)
+            if t is BlockStored:
+                unit = _tier_unit(ev.medium)
+                for h in reversed(ev.block_hashes):
+                    self._sub(feed, h, unit)
+            elif t is BlockRemoved:
+                unit = _tier_unit(ev.medium)
+                for h in reversed(ev.block_hashes):
+                    self._add(feed, h, unit)
+            elif t is BlockUpdated:
+                if _is_move(ev):
+                    self._add(feed, ev.block_hash, _tier_unit(ev.old_medium))
+                    self._sub(feed, ev.block_hash, _tier_unit(ev.new_medium))
+            else:   # the holdings are empty again, as right after the clear
+                self._install(feed, cleared.pop())
+
+    def _add(self, feed: _Feed, h: int, unit: int) -> None:
+        refs, bit = feed.refs, feed.bit
+        v = refs.get(h, 0)
+        refs[h] = w = v + unit
+        if v == 0:
+            self._holders[h] = self._holders.get(h, 0) | bit
+        was_host_only = v != 0 and not v & _DEV_MASK
+        if not w & _DEV_MASK:
+            if not was_host_only:
+                self._host_only[h] = self._host_only.get(h, 0) | bit
+        elif was_host_only:
+            self._clear_host_only(h, bit)
+
+    def _sub(self, feed: _Feed, h: int, unit: int) -> None:
+        refs, bit = feed.refs, feed.bit
+        v = refs[h]
+        w = v - unit
+        was_host_only = not v & _DEV_MASK
+        if w == 0:
+            del refs[h]
+            m = self._holders[h] & ~bit
+            if m:
+                self._holders[h] = m
+            else:
+                del self._holders[h]
+            if was_host_only:
+                self._clear_host_only(h, bit)
+            return
+        refs[h] = w
+        if not w & _DEV_MASK and not was_host_only:
+            self._host_only[h] = self._host_only.get(h, 0) | bit
+
+    def _install(self, feed: _Feed, refs: dict[int, int]) -> None:
+        """Make ``refs`` the holdings of a feed that holds nothing."""
+        assert not feed.refs, "install over live holdings"
+        feed.refs = refs
+        bit, holders, host_only = feed.bit, self._holders, self._host_only
+        for h, v in refs.items():
+            holders[h] = holders.get(h, 0) | bit
+            if not v & _DEV_MASK:
+                host_only[h] = host_only.get(h, 0) | bit
+
+    def _clear_host_only(self, h: int, bit: int) -> None:
+        m = self._host_only[h] & ~bit
+        if m:
+            self._host_only[h] = m
+        else:
+            del self._host_only[h]
+
+    def _purge(self, feed: _Feed) -> None:
+        holders, host_only, keep = self._holders, self._host_only, ~feed.bit
+        for h, v in feed.refs.items():
+            m = holders[h] & keep
+            if m:
+                holders[h] = m
+            else:
+                del holders[h]
+            if not v & _DEV_MASK:
+                m = host_only[h] & keep
+                if m:
+                    host_only[h] = m
+                else:
+                    del host_only[h]
+        feed.refs = {}
+
+    def _restart(self, feed: _Feed, reason: str) -> ApplyResult:
+        """The rank's cache is gone: drop its stale blocks now and wait for its snapshot."""
+        self._purge(feed)
+        feed.next_seq = 0
+        return self._ask_snapshot(feed, reason)
+
+    def _ask_snapshot(self, feed: _Feed, reason: str) -> ApplyResult:
+        feed.awaiting_snapshot = True
+        self.stats.snapshots_requested += 1
+        return ApplyResult(ApplyStatus.SNAPSHOT, feed.next_seq, reason)
+
+
+def _held(v: int, unit: int) -> bool:
+    """Whether packed refs ``v`` include one on the tier of ``unit``."""
+    return bool(v >> 32) if unit == _HOST else bool(v & _DEV_MASK)
+
+
+def _diverged(i: int, what: str, h: int, unit: int) -> str:
+    tier = "host" if unit == _HOST else "device"
+    return f"events[{i}] {what} {h:#x} from the {tier} tier, which the rank does not hold there: the index has diverged"
+
+
+def _is_move(ev: BlockUpdated) -> bool:
+    """A tier change (offload or onboard); an update of priority alone changes nothing here."""
+    return ev.old_medium is not None and ev.new_medium is not None and ev.old_medium != ev.new_medium
+
+
+# --- input checks (callers' mistakes -> TypeError/ValueError) -----------------
+
+def _check_rank(rank: object) -> None:
+    if type(rank) is not int or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+
+
+def _check_seq(seq: object, name: str) -> None:
+    if type(seq) is not int or seq < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {seq!r}")
+
+
+def _check_hash(h: object, where: str) -> None:
+    if type(h) is not int or not 0 <= h <= _U64_MAX:
+        raise ValueError(f"{where} must be a u64 hash (int 0..2**64-1), got {h!r}")
+
+
+def _check_hashes(hs: object, where: str) -> None:
+    if type(hs) is not list and type(hs) is not tuple:
+        raise TypeError(f"{where} must be a list of u64 hashes, got {type(hs).__name__}")
+    # C-level passes first; the per-item loop only runs to name the culprit.
+    if not (_INT_ONLY.issuperset(map(type, hs)) and (not hs or (min(hs) >= 0 and max(hs) <= _U64_MAX))):
+        for i, h in enumerate(hs):
+            _check_hash(h, f"{where}[{i}]")
+
+
+def _check_medium(m: object, where: str) -> None:
+    if m is not None and m not in _MEDIA:
+        raise ValueError(f"{where} must be 'GPU', 'CPU' or None, got {m!r}")
+
+
+def check_event(ev: object, i: int) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad field of ``events[i]``.
+
+    The fields an in-process caller could get wrong; the wire decoder checks the same on bytes.
+    """
+    t = type(ev)
+    where = f"events[{i}]"
+    if t is BlockStored:
+        _check_hashes(ev.block_hashes, f"{where}.block_hashes")
+        if ev.parent_block_hash is not None:
+            _check_hash(ev.parent_block_hash, f"{where}.parent_block_hash")
+        if type(ev.block_size) is not int:
+            raise TypeError(f"{where}.block_size must be an int, got {type(ev.block_size).__name__}")
+        _check_medium(ev.medium, f"{where}.medium")
+    elif t is BlockRemoved:
+        _check_hashes(ev.block_hashes, f"{where}.block_hashes")
+        _check_medium(ev.medium, f"{where}.medium")
+    elif t is BlockUpdated:
+        _check_hash(ev.block_hash, f"{where}.block_hash")
+        _check_medium(ev.old_medium, f"{where}.old_medium")
+        _check_medium(ev.new_medium, f"{where}.new_medium")
+    elif t is KVCacheCreated:
+        if type(ev.block_size) is not int:
+            raise TypeError(f"{where}.block_size must be an int, got {type(ev.block_size).__name__}")
+    elif t is not AllBlocksCleared:
+        raise TypeError(f"{where} must be a worker.events event, got {t.__name__}")

@@ -1,0 +1,171 @@
+"""What every routing policy reads and answers, and the interface they share.
+
+A policy is a plain object: ``route`` picks a live rank from the ranks' load
+(``RankState``), the request, and the prefix matches the caller probed from the
+index (``router.probe``); policies that learn from their own decisions (SGLang's
+``cache_aware`` keeps a history of routed prompts) get ``on_routed`` and
+``on_rank_removed``. Nothing here knows Ray or HTTP.
+"""
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from router.probe import PrefixMatch, prompt_hashes
+from worker.block_key import validate_prompt
+
+
+class NoLiveRankError(RuntimeError):
+    """Every rank is dead (or none was given): there is nowhere to route."""
+
+
+def _nonneg_int(value: object, name: str) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """One rank's load as the router last saw it."""
+
+    rank: int
+    alive: bool = True
+    queued_requests: int = 0
+    """Requests admitted but not yet prefilled."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens those queued requests still have to compute."""
+    running_requests: int = 0
+    """Requests decoding."""
+    running_decode_blocks: int = 0
+    """KV blocks the decoding requests hold (their decode load)."""
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    """Device-tier blocks in the pool; 0 = unknown (utilisation then reads 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "queued_requests", "queued_prefill_tokens", "running_requests",
+                     "running_decode_blocks", "kv_used_blocks", "kv_total_blocks"):
+            _nonneg_int(getattr(self, name), name)
+        if type(self.alive) is not bool:
+            raise TypeError(f"alive must be a bool, got {type(self.alive).__name__}")
+        if self.kv_total_blocks and self.kv_used_blocks > self.kv_total_blocks:
+            raise ValueError(f"kv_used_blocks {self.kv_used_blocks} exceeds kv_total_blocks {self.kv_total_blocks}")
+
+    @property
+    def inflight_requests(self) -> int:
+        """Queued plus running: the load that SGLang's and vLLM's routers count."""
+        return self.queued_requests + self.running_requests
+
+    @property
+    def kv_utilisation(self) -> float:
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """A prompt to place; ``block_hashes`` are those of ``tokens[:-1]`` (see ``router.probe``)."""
+
+    tokens: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    tokens_per_block: int
+    max_tokens: int = 16
+    cache_salt: str | None = None
+    lora_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.tokens) is not tuple or type(self.block_hashes) is not tuple:
+            raise TypeError("tokens and block_hashes must be tuples; build requests with RouteRequest.of")
+        if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be a positive int, got {self.tokens_per_block!r}")
+        if not self.tokens:
+            raise ValueError("a prompt needs at least one token")
+        expected = (len(self.tokens) - 1) // self.tokens_per_block
+        if len(self.block_hashes) != expected:
+            raise ValueError(f"{len(self.tokens)} tokens have {expected} full blocks before the last token, "
+                             f"got {len(self.block_hashes)} block hashes")
+        _nonneg_int(self.max_tokens, "max_tokens")
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], tokens_per_block: int, *, max_tokens: int = 16,
+           cache_salt: str | None = None, lora_id: int | None = None) -> RouteRequest:
+        """Hash the prompt's blocks the way ranks announce them."""
+        validate_prompt(tokens, lora_id, cache_salt, (), None)
+        hashes = prompt_hashes(tokens, tokens_per_block, lora_id=lora_id, cache_salt=cache_salt)
+        return cls(tuple(tokens), tuple(hashes), tokens_per_block, max_tokens, cache_salt, lora_id)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the whole prompt occupies (the partial last one included)."""
+        return -(-len(self.tokens) // self.tokens_per_block)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where to serve a request, and the numbers behind the choice."""
+
+    rank: int
+    policy: str
+    scores: dict[int, float] = field(default_factory=dict)
+    """The policy's number per rank it weighed; ``lower_is_better`` says which way it ranks."""
+    lower_is_better: bool = True
+    matched_tokens: dict[int, int] = field(default_factory=dict)
+    """Prompt tokens each live rank already holds (from the probe), for reporting."""
+    migrate_from: int | None = None
+    """Pull the prefix from this rank before serving (``kv`` only)."""
+    migrate_blocks: int = 0
+
+
+class RoutingPolicy(abc.ABC):
+    """Picks a live rank for a request; see the module docstring."""
+
+    name: ClassVar[str]
+    config_type: ClassVar[type | None] = None
+    """The dataclass ``make_policy`` builds from its options; None = the policy takes none."""
+
+    @abc.abstractmethod
+    def route(self, request: RouteRequest, ranks: Sequence[RankState],
+              matches: Mapping[int, PrefixMatch]) -> RouteDecision:
+        """Choose a live rank; raises ``NoLiveRankError`` if there is none."""
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """The request was sent where ``decision`` says (policies with their own history learn here)."""
+
+    def on_rank_removed(self, rank: int) -> None:
+        """``rank`` left the cluster; forget what is kept about it."""
+
+
+def live_ranks(ranks: Sequence[RankState]) -> list[RankState]:
+    """The live ones, by rank id; raises on a duplicate id or when none is alive."""
+    seen: set[int] = set()
+    live = []
+    for s in ranks:
+        if not isinstance(s, RankState):
+            raise TypeError(f"ranks must hold RankState, got {type(s).__name__}")
+        if s.rank in seen:
+            raise ValueError(f"rank {s.rank} listed twice")
+        seen.add(s.rank)
+        if s.alive:
+            live.append(s)
+    if not live:
+        raise NoLiveRankError(f"no live rank among {sorted(seen)}" if seen else "no ranks given")
+    live.sort(key=lambda s: s.rank)
+    return live
+
+
+def matched_tokens(live: Sequence[RankState], matches: Mapping[int, PrefixMatch]) -> dict[int, int]:
+    """Matched prompt tokens per live rank (0 where the probe found nothing)."""
+    out = {}
+    for s in live:
+        m = matches.get(s.rank)
+        out[s.rank] = 0 if m is None else m.matched_tokens
+    return out
+
+
+def pick_best(scores: Mapping[int, float], lower_is_better: bool, rng: random.Random) -> int:
+    """The best-scoring rank; ties broken by the policy's seeded ``rng`` so runs repeat."""
+    best = min(scores.values()) if lower_is_better else max(scores.values())
+    tied = [r for r, v in scores.items() if v == best]
+    return tied[0] if len(tied) == 1 else rng.choice(sorted(tied))

@@ -1,0 +1,68 @@
+"""NVIDIA Dynamo's KV router cost, as its default worker selector computes it (temperature 0).
+
+Per worker, in blocks (``lib/kv-router`` ``DefaultWorkerSelector``)::
+
+    raw_prefill   = (active prefill tokens + prompt tokens) / block size
+    credit        = device overlap * overlap_score_credit + host overlap * host_cache_hit_weight
+    logit         = overlap_score_weight * max(raw_prefill - credit, 0) + decode blocks
+
+where decode blocks are the worker's active blocks plus the request's own.
+Lowest logit wins; ties are broken at random (seeded), as Dynamo does.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from router.policies.base import (RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks,
+                                  matched_tokens, pick_best)
+from router.probe import PrefixMatch
+
+
+@dataclass(frozen=True, slots=True)
+class DynamoCostConfig:
+    """Dynamo's knobs, with its defaults."""
+
+    overlap_score_weight: float = 1.0
+    """``--kv-overlap-score-weight``: the prefill term's weight against decode load."""
+    overlap_score_credit: float = 1.0
+    """Credit per device-tier block already held."""
+    host_cache_hit_weight: float = 0.75
+    """Credit per host-tier (pinned CPU) block that continues the match."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+
+
+class DynamoPolicy(RoutingPolicy):
+    """Scores are Dynamo's logits (blocks; lower is better)."""
+
+    name = "dynamo"
+    config_type = DynamoCostConfig
+
+    def __init__(self, config: DynamoCostConfig = DynamoCostConfig(), seed: int = 0) -> None:
+        if not isinstance(config, DynamoCostConfig):
+            raise TypeError(f"config must be a DynamoCostConfig, got {type(config).__name__}")
+        self.config = config
+        self._rng = random.Random(seed)
+
+    def route(self, request: RouteRequest, ranks: Sequence[RankState],
+              matches: Mapping[int, PrefixMatch]) -> RouteDecision:
+        live = live_ranks(ranks)
+        c = self.config
+        bs, n = request.tokens_per_block, len(request.tokens)
+        scores: dict[int, float] = {}
+        for s in live:
+            m = matches.get(s.rank)
+            credit = 0.0 if m is None else (m.device_blocks * c.overlap_score_credit
+                                            + m.host_blocks * c.host_cache_hit_weight)
+            raw_prefill = (s.queued_prefill_tokens + n) / bs
+            decode = s.running_decode_blocks + request.num_blocks
+            scores[s.rank] = c.overlap_score_weight * max(raw_prefill - credit, 0.0) + decode
+        chosen = pick_best(scores, True, self._rng)
+        return RouteDecision(chosen, self.name, scores, True, matched_tokens(live, matches))

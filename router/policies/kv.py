@@ -1,0 +1,98 @@
+"""Ours: the rank with the lowest estimated time to first token, optionally after pulling the prefix over.
+
+Cost of serving on rank r, in seconds::
+
+    queued_prefill_tokens * prefill + running_decode_blocks * decode        (its load)
+    + (prompt tokens - matched blocks * block size) * prefill               (what it must compute)
+    + host blocks of the match * onboard                                    (what it must copy up)
+
+When the best-matching rank is loaded, another rank may do better by first
+receiving the blocks it lacks from it (KV migration): its own load and its own
+matched host blocks, the tokens beyond the source's match to compute, plus
+``migrate_setup_s + blocks moved * migrate_s_per_block``. That option is only
+taken when it beats every plain option, which includes computing the moved
+blocks on the same rank, so a transfer is never chosen when recomputing is
+cheaper.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from router.policies.base import (RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks,
+                                  matched_tokens, pick_best)
+from router.probe import PrefixMatch
+
+
+@dataclass(frozen=True, slots=True)
+class KvCostModel:
+    """The parameters of the cost estimate, in seconds; the defaults are rough figures for an 8B model
+    with 16-token blocks on one GPU, to be replaced by measurements of the deployment."""
+
+    prefill_s_per_token: float = 5e-5
+    """Compute one prompt token (what a cache hit saves)."""
+    onboard_s_per_block: float = 8e-5
+    """Copy one block from the rank's host tier to its device tier (about 2 MiB over PCIe)."""
+    migrate_s_per_block: float = 1e-4
+    """Send one block from another rank (NCCL), per block."""
+    migrate_setup_s: float = 2e-3
+    """Fixed cost of one migration (coordinating sender and receiver)."""
+    decode_s_per_block: float = 1e-6
+    """How much each running decode block delays a new prefill (batch interference)."""
+    allow_migration: bool = True
+    """Consider pulling a prefix from the best-matching rank."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "allow_migration":
+                if type(v) is not bool:
+                    raise TypeError(f"allow_migration must be a bool, got {type(v).__name__}")
+            elif type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+        if self.prefill_s_per_token == 0:
+            raise ValueError("prefill_s_per_token must be > 0: a free prefill makes every cache worthless")
+
+
+class KvPolicy(RoutingPolicy):
+    """Lowest estimated cost wins (see the module docstring); scores are seconds."""
+
+    name = "kv"
+    config_type = KvCostModel
+
+    def __init__(self, config: KvCostModel = KvCostModel(), seed: int = 0) -> None:
+        if not isinstance(config, KvCostModel):
+            raise TypeError(f"config must be a KvCostModel, got {type(config).__name__}")
+        self.config = config
+        self._rng = random.Random(seed)
+
+    def route(self, request: RouteRequest, ranks: Sequence[RankState],
+              matches: Mapping[int, PrefixMatch]) -> RouteDecision:
+        live = live_ranks(ranks)
+        c = self.config
+        bs, n = request.tokens_per_block, len(request.tokens)
+        empty = PrefixMatch(0, 0, 0)
+        match = {s.rank: matches.get(s.rank, empty) for s in live}
+        load = {s.rank: s.queued_prefill_tokens * c.prefill_s_per_token
+                + s.running_decode_blocks * c.decode_s_per_block for s in live}
+        scores = {r: load[r] + (n - m.matched_blocks * bs) * c.prefill_s_per_token
+                  + m.host_blocks * c.onboard_s_per_block for r, m in match.items()}
+        migrations: dict[int, tuple[int, int]] = {}   # target -> (source, blocks moved)
+        if c.allow_migration and len(live) > 1:
+            src = max(match, key=lambda r: (match[r].matched_blocks, -scores[r]))
+            top = match[src].matched_blocks
+            tail = (n - top * bs) * c.prefill_s_per_token
+            for r, m in match.items():
+                moved = top - m.matched_blocks
+                if moved <= 0:
+                    continue
+                cost = (load[r] + tail + m.host_blocks * c.onboard_s_per_block
+                        + c.migrate_setup_s + moved * c.migrate_s_per_block)
+                if cost < scores[r]:
+                    scores[r] = cost
+                    migrations[r] = (src, moved)
+        chosen = pick_best(scores, True, self._rng)
+        src, moved = migrations.get(chosen, (None, 0))
+        return RouteDecision(chosen, self.name, scores, True, matched_tokens(live, matches), src, moved)

@@ -1,0 +1,57 @@
+"""How much of a prompt each rank already holds, read from the prefix index.
+
+A rank can reuse the KV of a prompt's leading full blocks, but never of its
+last token (the step computes it), so ranks answer for ``tokens[:-1]``: the
+probe hashes the full blocks of ``tokens[:-1]`` and walks that chain. A rank's
+match ends at its first missing block, even if it still holds later ones
+(evicting a block detaches only that block). Within a match, a block held only
+on the host tier counts towards ``host_blocks``: the rank must onboard it, not
+compute it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.index import PrefixIndex
+from worker.block_key import MmKey, block_hashes
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """One rank's longest held prefix of a prompt (any tier), and how many of those blocks sit on the host tier.
+
+    Made per rank on every probe, so not frozen: a frozen dataclass takes three times as long to build.
+    """
+
+    matched_blocks: int
+    matched_tokens: int
+    host_blocks: int
+
+    @property
+    def device_blocks(self) -> int:
+        return self.matched_blocks - self.host_blocks
+
+
+def prompt_hashes(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int | None = None,
+                  cache_salt: str | None = None, mm_keys: Sequence[MmKey] = (),
+                  extra_ids: Sequence[int] | None = None) -> list[int]:
+    """The hashes a probe walks for prompt ``tokens``: the full blocks of ``tokens[:-1]``."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    return block_hashes(tokens[:-1], tokens_per_block, lora_id=lora_id, cache_salt=cache_salt,
+                        mm_keys=mm_keys, extra_ids=None if extra_ids is None else extra_ids[:-1])
+
+
+def match_prefix(index: PrefixIndex, hashes: Sequence[int]) -> dict[int, PrefixMatch]:
+    """Per rank holding at least the chain's first block: its match along ``hashes``, by rank."""
+    tpb = index.tokens_per_block
+    return {r: PrefixMatch(b, b * tpb, host) for r, (b, host) in sorted(index.longest_prefixes(hashes).items())}
+
+
+def probe(index: PrefixIndex, tokens: Sequence[int], *, lora_id: int | None = None,
+          cache_salt: str | None = None, mm_keys: Sequence[MmKey] = (),
+          extra_ids: Sequence[int] | None = None) -> dict[int, PrefixMatch]:
+    """Matched tokens per rank for prompt ``tokens`` (ranks matching nothing are absent)."""
+    return match_prefix(index, prompt_hashes(tokens, index.tokens_per_block, lora_id=lora_id,
+                                             cache_salt=cache_salt, mm_keys=mm_keys, extra_ids=extra_ids))

@@ -1,0 +1,371 @@
+"""The router's prefix index: refcounts, numbering (gap -> replay, restart -> snapshot), purge, atomic
+batches, tier moves, and the foreign (vLLM) hash mapping."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.foreign import ForeignFeed
+from router.index import ApplyStatus, PrefixIndex, SnapshotBlock
+from router.probe import match_prefix, prompt_hashes
+from worker.block_key import ROOT_HASH, block_keys, chain_hashes
+from worker.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch, EventDecodeError,
+                           KVCacheCreated, encode_batch)
+
+TPB = 4
+H = [0x1000 + i for i in range(32)]   # stand-in chained hashes: the index treats hashes as opaque
+
+
+def stored(hashes, parent=None, medium="GPU"):
+    return BlockStored(list(hashes), parent, [7] * (TPB * len(hashes)), TPB, medium=medium)
+
+
+def removed(hashes, medium="GPU"):
+    return BlockRemoved(list(hashes), medium)
+
+
+def batch(*events, rank=None):
+    return EventBatch(0.0, list(events), rank)
+
+
+def state(index: PrefixIndex, ranks=range(4), hashes=H):
+    """Everything observable: numbering, waiting flags, refs per (rank, hash), holders per hash."""
+    return ({r: (index.next_seq(r), index.awaiting_snapshot(r)) for r in ranks},
+            {(r, h): index.refs(r, h) for r in ranks for h in hashes},
+            {h: index.holders(h) for h in hashes}, index.num_blocks())
+
+
+@pytest.fixture
+def index():
+    return PrefixIndex(TPB)
+
+
+# --- refcounts --------------------------------------------------------------------------------
+
+def test_two_stores_one_removal_leave_the_block_held(index):
+    assert index.apply(0, 0, batch(stored(H[:3]), stored(H[:1]))).applied
+    assert index.refs(0, H[0]) == (2, 0)
+    assert index.refs(0, H[1]) == (1, 0)
+    assert index.apply(0, 1, batch(removed([H[0]]))).applied
+    assert index.refs(0, H[0]) == (1, 0)
+    assert index.holders(H[0]) == [0]
+    assert index.apply(0, 2, batch(removed([H[0]]))).applied
+    assert index.refs(0, H[0]) == (0, 0)
+    assert index.holders(H[0]) == []
+    assert index.num_blocks(0) == 2
+
+
+def test_refcounts_are_per_rank(index):
+    index.apply(0, 0, batch(stored(H[:2])))
+    index.apply(1, 0, batch(stored(H[:1])))
+    assert index.holders(H[0]) == [0, 1]
+    index.apply(1, 1, batch(removed(H[:1])))
+    assert index.holders(H[0]) == [0]
+    assert index.num_blocks() == 2
+
+
+def test_tier_moves_and_priority_updates(index):
+    index.apply(0, 0, batch(stored(H[:3])))
+    index.apply(0, 1, batch(BlockUpdated(H[1], "GPU", "CPU", 35, 35)))
+    assert index.refs(0, H[1]) == (0, 1)
+    assert index.longest_prefixes(H[:3]) == {0: (3, 1)}
+    index.apply(0, 2, batch(BlockUpdated(H[1], None, None, 35, 80)))      # priority only
+    assert index.refs(0, H[1]) == (0, 1)
+    index.apply(0, 3, batch(BlockUpdated(H[1], "CPU", "GPU")))            # onboard
+    assert index.refs(0, H[1]) == (1, 0)
+    assert index.longest_prefixes(H[:3]) == {0: (3, 0)}
+    index.apply(0, 4, batch(BlockUpdated(H[2], "GPU", "CPU"), removed([H[2]], "CPU")))
+    assert index.holders(H[2]) == []
+
+
+def test_all_blocks_cleared_drops_only_that_rank(index):
+    index.apply(0, 0, batch(stored(H[:3])))
+    index.apply(1, 0, batch(stored(H[:3])))
+    assert index.apply(0, 1, batch(AllBlocksCleared(), stored(H[5:6]))).applied
+    assert index.num_blocks(0) == 1
+    assert index.holders(H[0]) == [1]
+
+
+# --- numbering --------------------------------------------------------------------------------
+
+def test_gap_asks_for_replay_and_applies_nothing(index):
+    index.apply(0, 0, batch(stored(H[:1])))
+    before = state(index)
+    r = index.apply(0, 2, batch(stored(H[1:2])))
+    assert (r.status, r.replay_from, r.next_seq) == (ApplyStatus.REPLAY, 1, 1)
+    assert state(index) == before
+    assert index.apply(0, 1, batch(stored(H[2:3]))).applied     # the replayed batch
+    assert index.apply(0, 2, batch(stored(H[1:2]))).applied
+    assert index.next_seq(0) == 3
+    assert index.stats.replays_requested == 1
+
+
+def test_first_batch_seen_late_asks_for_replay_from_zero(index):
+    r = index.apply(3, 5, batch(stored(H[:1])))
+    assert r.status is ApplyStatus.REPLAY and r.replay_from == 0
+
+
+def test_duplicate_is_ignored(index):
+    index.apply(0, 0, batch(stored(H[:1])))
+    index.apply(0, 1, batch(stored(H[1:2])))
+    before = state(index)
+    r = index.apply(0, 1, batch(stored(H[1:2])))
+    assert r.status is ApplyStatus.DUPLICATE and r.replay_from is None
+    assert state(index) == before
+
+
+@pytest.mark.parametrize("restart", ["renumbered", "created"])
+def test_restart_purges_the_rank_and_waits_for_a_snapshot(index, restart):
+    index.apply(0, 0, batch(KVCacheCreated({"GPU": 8}, TPB), stored(H[:3])))
+    index.apply(0, 1, batch(stored(H[3:4], parent=H[2])))
+    index.apply(1, 0, batch(stored(H[:2])))
+    r = (index.apply(0, 0, batch(KVCacheCreated({"GPU": 8}, TPB))) if restart == "renumbered"
+         else index.apply(0, 2, batch(KVCacheCreated({"GPU": 8}, TPB), stored(H[:1]))))
+    assert r.status is ApplyStatus.SNAPSHOT and r.next_seq == 0
+    assert index.num_blocks(0) == 0 and index.holders(H[0]) == [1]    # purged at once
+    assert index.awaiting_snapshot(0)
+    assert index.apply(0, 1, batch(stored(H[:1]))).status is ApplyStatus.SNAPSHOT   # still waiting
+    index.load_snapshot(0, [SnapshotBlock(H[0]), SnapshotBlock(H[1], "CPU")], next_seq=4)
+    assert not index.awaiting_snapshot(0)
+    assert index.refs(0, H[1]) == (0, 1)
+    assert index.apply(0, 4, batch(stored(H[2:3], parent=H[1]))).applied
+    assert index.longest_prefixes(H[:3]) == {0: (3, 1), 1: (2, 0)}
+
+
+def test_kv_cache_created_opens_a_fresh_rank(index):
+    assert index.apply(2, 0, batch(KVCacheCreated({"GPU": 8, "CPU": 4}, TPB), stored(H[:2]))).applied
+    assert index.num_blocks(2) == 2
+
+
+def test_load_snapshot_counts_duplicates_and_replaces_holdings(index):
+    index.apply(0, 0, batch(stored(H[:4])))
+    index.load_snapshot(0, [SnapshotBlock(H[5]), SnapshotBlock(H[5])], next_seq=9)
+    assert index.refs(0, H[5]) == (2, 0)
+    assert index.holders(H[0]) == []
+    assert index.next_seq(0) == 9
+
+
+def test_load_snapshot_accepts_the_ledgers_snapshot_entries(index):
+    from worker.manager import StoredBlock
+    index.load_snapshot(1, [StoredBlock(H[0], None, [1] * TPB, "CPU", None, None, 35)], next_seq=0)
+    assert index.refs(1, H[0]) == (0, 1)
+
+
+@pytest.mark.parametrize("blocks, exc", [
+    ([SnapshotBlock(H[0]), (H[1], "GPU")], TypeError),
+    ([SnapshotBlock(H[0]), SnapshotBlock(-1)], ValueError),
+    ([SnapshotBlock(H[0]), SnapshotBlock(H[1], "disk")], ValueError),
+])
+def test_bad_snapshot_changes_nothing(index, blocks, exc):
+    index.apply(0, 0, batch(stored(H[:2])))
+    before = state(index)
+    with pytest.raises(exc):
+        index.load_snapshot(0, blocks, next_seq=3)
+    assert state(index) == before
+
+
+# --- purge --------------------------------------------------------------------------------------
+
+def test_remove_rank_purges_at_once_and_forgets_numbering(index):
+    for r in range(3):
+        index.apply(r, 0, batch(stored(H[:4])))
+    index.apply(1, 1, batch(BlockUpdated(H[3], "GPU", "CPU")))
+    index.remove_rank(1)
+    assert index.holders(H[0]) == [0, 2]
+    assert index.longest_prefixes(H[:4]) == {0: (4, 0), 2: (4, 0)}
+    assert index.ranks() == [0, 2] and index.next_seq(1) == 0
+    index.remove_rank(7)                                    # unknown: ignored
+    assert index.apply(5, 0, batch(stored(H[:2]))).applied  # reuses the freed bit
+    assert index.holders(H[1]) == [0, 2, 5]
+    assert index.longest_prefixes(H[:4]) == {0: (4, 0), 2: (4, 0), 5: (2, 0)}
+
+
+# --- atomic batches -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, exc", [
+    (BlockStored([H[5], -1], None, [], TPB), ValueError),
+    (BlockStored([H[5], "x"], None, [], TPB), ValueError),
+    (BlockStored([H[5], 2**64], None, [], TPB), ValueError),
+    (BlockStored([H[5], 1.5], None, [], TPB), ValueError),
+    (BlockStored("abc", None, [], TPB), TypeError),
+    (BlockStored([H[5]], None, [], TPB + 1), ValueError),
+    (BlockRemoved([H[0]], "disk"), ValueError),
+    (BlockUpdated(H[0], "GPU", "NVMe"), ValueError),
+    ("BlockStored", TypeError),
+])
+def test_malformed_event_rejects_the_whole_batch(index, bad, exc):
+    index.apply(0, 0, batch(stored(H[:3])))
+    before = state(index)
+    with pytest.raises(exc):
+        index.apply(0, 1, batch(stored(H[3:5]), removed(H[:1]), bad))
+    assert state(index) == before
+
+
+def test_wrong_rank_or_numbering_is_a_caller_error(index):
+    with pytest.raises(ValueError, match="rank 2"):
+        index.apply(1, 0, batch(stored(H[:1]), rank=2))
+    with pytest.raises(ValueError, match="seq"):
+        index.apply(1, -1, batch())
+    with pytest.raises(TypeError):
+        index.apply(1, 0, [stored(H[:1])])
+    assert index.ranks() == []
+
+
+def test_divergent_removal_rolls_the_batch_back(index):
+    index.apply(0, 0, batch(stored(H[:3])))
+    index.apply(0, 1, batch(BlockUpdated(H[2], "GPU", "CPU")))
+    before = state(index)
+    r = index.apply(0, 2, batch(stored(H[3:6], parent=H[2]), BlockUpdated(H[0], "GPU", "CPU"), AllBlocksCleared(),
+                                stored(H[:2]), removed([H[0], H[1], H[9]])))
+    assert r.status is ApplyStatus.SNAPSHOT and "diverged" in r.reason and r.next_seq == 2
+    assert state(index)[1:] == before[1:]      # holdings untouched; the rank now waits for its snapshot
+    assert index.awaiting_snapshot(0)
+
+
+def test_moving_a_block_from_a_tier_that_lacks_it_diverges(index):
+    index.apply(0, 0, batch(stored(H[:2])))
+    before = state(index)
+    r = index.apply(0, 1, batch(removed(H[:1]), BlockUpdated(H[1], "CPU", "GPU")))
+    assert r.status is ApplyStatus.SNAPSHOT
+    assert state(index)[1:] == before[1:]
+
+
+def test_apply_bytes_round_trip_and_malformed_bytes(index):
+    data = encode_batch(batch(KVCacheCreated({"GPU": 4}, TPB), stored(H[:3]), rank=0))
+    assert index.apply_bytes(0, 0, data).applied
+    assert index.longest_prefixes(H[:3]) == {0: (3, 0)}
+    before = state(index)
+    with pytest.raises(EventDecodeError):
+        index.apply_bytes(0, 1, data[:-3])
+    assert state(index) == before
+
+
+# --- model-based property: refcounts and rollback agree with a plain dict -------------------------
+
+_op = st.tuples(st.sampled_from(["store", "remove", "offload", "onboard", "clear"]),
+                st.integers(0, 2), st.lists(st.sampled_from(H[:6]), min_size=1, max_size=3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(_op, max_size=5), max_size=12))
+def test_index_matches_a_reference_model(batches):
+    index = PrefixIndex(TPB)
+    model: dict[tuple[int, int], list[int]] = {}   # (rank, hash) -> [device refs, host refs]
+    seqs = {0: 0, 1: 0, 2: 0}
+    for ops in batches:
+        by_rank: dict[int, list] = {}
+        for kind, rank, hashes in ops:
+            by_rank.setdefault(rank, []).append((kind, hashes))
+        for rank, rank_ops in by_rank.items():
+            trial = {k: list(v) for k, v in model.items()}
+            events, ok = [], True
+            for kind, hashes in rank_ops:
+                if kind == "store":
+                    events.append(stored(hashes))
+                    for h in hashes:
+                        trial.setdefault((rank, h), [0, 0])[0] += 1
+                elif kind == "clear":
+                    events.append(AllBlocksCleared())
+                    trial = {k: v for k, v in trial.items() if k[0] != rank}
+                else:
+                    src, dst = {"remove": (0, None), "offload": (0, 1), "onboard": (1, 0)}[kind]
+                    h = hashes[0]
+                    medium = ("GPU", "CPU")[src]
+                    events.append(removed([h], medium) if dst is None
+                                  else BlockUpdated(h, medium, ("GPU", "CPU")[dst]))
+                    refs = trial.get((rank, h), [0, 0])
+                    if refs[src] == 0:
+                        ok = False
+                        continue
+                    refs[src] -= 1
+                    if dst is not None:
+                        refs[dst] += 1
+                    trial[(rank, h)] = refs
+            r = index.apply(rank, seqs[rank], batch(*events))
+            if ok:
+                assert r.applied, r
+                model = {k: v for k, v in trial.items() if v != [0, 0]}
+                seqs[rank] += 1
+            else:
+                assert r.status is ApplyStatus.SNAPSHOT
+                blocks = [SnapshotBlock(h, m) for (rr, h), v in model.items() if rr == rank
+                          for m, n in zip(("GPU", "CPU"), v) for _ in range(n)]
+                index.load_snapshot(rank, blocks, seqs[rank])
+            for rr in range(3):
+                for h in H[:6]:
+                    assert index.refs(rr, h) == tuple(model.get((rr, h), [0, 0]))
+            for h in H[:6]:
+                assert index.holders(h) == sorted({rr for (rr, hh) in model if hh == h})
+            for rr in range(3):
+                expect = 0
+                while expect < 6 and (rr, H[expect]) in model:
+                    expect += 1
+                host = sum(1 for h in H[:expect] if model[(rr, h)][0] == 0)
+                got = index.longest_prefixes(H[:6]).get(rr, (0, 0))
+                assert got == ((expect, host) if expect else (0, 0))
+
+
+# --- foreign engine (vLLM hashes) -------------------------------------------------------------------
+
+def _ours(tokens, parent=ROOT_HASH, **kw):
+    return chain_hashes(block_keys(tokens, TPB, **kw), parent)
+
+
+def test_foreign_stores_are_rehashed_with_ours_and_chained():
+    index = PrefixIndex(TPB)
+    feed = ForeignFeed(index)
+    tokens = list(range(100, 125))              # a 25-token prompt: 6 full blocks before the last token
+    ours = prompt_hashes(tokens, TPB)
+    v = [9000 + i for i in range(6)]            # vLLM's own hashes, unrelated to ours
+    assert feed.apply(3, 0, batch(BlockStored(v[:4], None, tokens[:16], TPB),
+                                  BlockStored(v[4:], v[3], tokens[16:24], TPB))).applied
+    assert [feed.mapped(3, h) for h in v] == ours
+    assert match_prefix(index, ours)[3].matched_blocks == 6
+    # removals by vLLM hash reach our entries; the chain then breaks there
+    assert feed.apply(3, 1, batch(BlockRemoved([v[2]]))).applied
+    assert match_prefix(index, ours)[3].matched_blocks == 2
+    assert feed.mapped(3, v[2]) is None
+    assert feed.stats.blocks_mapped == 6
+
+
+def test_foreign_mapping_is_per_rank_and_refcounted():
+    index = PrefixIndex(TPB)
+    feed = ForeignFeed(index)
+    tokens = list(range(8))
+    ours = _ours(tokens, lora_id=2, cache_salt="t")
+    ev = BlockStored([1, 2], None, tokens, TPB, lora_id=2, cache_salt="t")
+    feed.apply(0, 0, batch(ev, ev))            # two stores of the same vLLM blocks
+    feed.apply(1, 0, batch(BlockStored([5, 6], None, tokens, TPB, lora_id=2, cache_salt="t")))
+    assert index.refs(0, ours[1]) == (2, 0)
+    assert index.holders(ours[0]) == [0, 1]
+    feed.apply(0, 1, batch(BlockRemoved([1, 2])))
+    assert feed.mapped(0, 2) == ours[1] and index.refs(0, ours[1]) == (1, 0)
+    assert feed.mapped(1, 2) is None           # rank 1 named the same prefix 5, 6
+
+
+def test_foreign_unknown_parent_and_unknown_removal_are_skipped():
+    index = PrefixIndex(TPB)
+    feed = ForeignFeed(index)
+    r = feed.apply(0, 0, batch(BlockStored([11], 10, [1, 2, 3, 4], TPB), BlockRemoved([77]),
+                               BlockUpdated(78, "GPU", "CPU")))
+    assert r.applied and index.num_blocks() == 0
+    assert (feed.stats.stores_skipped, feed.stats.hashes_unmapped) == (1, 2)
+
+
+def test_foreign_batch_not_applied_leaves_the_map_alone():
+    index = PrefixIndex(TPB)
+    feed = ForeignFeed(index)
+    feed.apply(0, 0, batch(BlockStored([1], None, [1, 2, 3, 4], TPB)))
+    assert feed.apply(0, 5, batch(BlockStored([2], 1, [5, 6, 7, 8], TPB))).status is ApplyStatus.REPLAY
+    assert feed.mapped(0, 2) is None
+    with pytest.raises(ValueError, match="token_ids"):
+        feed.apply(0, 1, batch(BlockStored([2], 1, [5, 6, 7, 8], TPB), BlockStored([3], 2, [9], TPB)))
+    assert feed.mapped(0, 2) is None and index.next_seq(0) == 1
+    # a restart: numbering back at 0; the map goes with the rank's blocks, then the rank starts empty
+    assert feed.apply(0, 0, batch(BlockStored([1], None, [1, 2, 3, 4], TPB))).status is ApplyStatus.SNAPSHOT
+    assert feed.mapped(0, 1) is None and index.num_blocks(0) == 0
+    feed.reset(0, next_seq=0)
+    assert feed.apply(0, 0, batch(BlockStored([1], None, [1, 2, 3, 4], TPB))).applied
+    feed.remove_rank(0)
+    assert index.ranks() == [] and feed.mapped(0, 1) is None

@@ -1,0 +1,324 @@
+"""Routing policies: contract tests over every registered policy, then each policy's own rule."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from router.index import PrefixIndex
+from router.policies import (CacheAwarePolicy, KvCostModel, KvPolicy, NoLiveRankError, RankState, RouteDecision,
+                             RouteRequest, make_policy, policy_names)
+from router.policies.approx_tree import ApproxTree
+from router.probe import PrefixMatch, match_prefix
+from worker.events import BlockStored, EventBatch
+
+TPB = 4
+CACHE_AWARE = ["kv", "cache_aware", "dynamo", "llm_d"]
+
+
+def req(tokens, max_tokens=8):
+    return RouteRequest.of(tokens, TPB, max_tokens=max_tokens)
+
+
+def ranks(n, **load):
+    return [RankState(r, **load) for r in range(n)]
+
+
+def held(blocks, host=0):
+    return PrefixMatch(blocks, blocks * TPB, host)
+
+
+def prime(policy, request, rank):
+    """Tell a history-keeping policy that ``request`` went to ``rank`` (others ignore it)."""
+    policy.on_routed(request, RouteDecision(rank, policy.name))
+
+
+# --- contract: every policy ---------------------------------------------------------------------
+
+def test_registry_has_ours_first_and_every_peer():
+    assert policy_names() == ["kv", "round_robin", "random", "power_of_two", "cache_aware", "dynamo", "llm_d"]
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_never_routes_to_a_dead_rank(name):
+    rng = random.Random(1)
+    policy = make_policy(name, seed=3)
+    for i in range(200):
+        states = [RankState(r, alive=rng.random() < 0.5, queued_requests=rng.randrange(100),
+                            queued_prefill_tokens=rng.randrange(5000), running_requests=rng.randrange(100),
+                            running_decode_blocks=rng.randrange(200), kv_used_blocks=rng.randrange(50),
+                            kv_total_blocks=50) for r in range(5)]
+        states[i % 5] = RankState(i % 5, alive=True)
+        tokens = [rng.randrange(20) for _ in range(rng.randrange(1, 60))]
+        request = req(tokens)
+        # dead ranks hold the longest prefixes and have routing history: a policy must still skip them
+        matches = {s.rank: held(len(request.block_hashes), host=1 if s.rank == 4 else 0)
+                   for s in states if not s.alive and request.block_hashes}
+        decision = policy.route(request, states, matches)
+        assert states[decision.rank].alive
+        assert set(decision.matched_tokens) == {s.rank for s in states if s.alive}
+        assert set(decision.scores) <= set(decision.matched_tokens)
+        policy.on_routed(request, decision)
+        for s in states:
+            if not s.alive:
+                prime(policy, request, s.rank)
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_no_live_rank_is_a_clear_error(name):
+    policy = make_policy(name)
+    with pytest.raises(NoLiveRankError, match="no live rank"):
+        policy.route(req([1, 2, 3]), [RankState(0, alive=False), RankState(1, alive=False)], {})
+    with pytest.raises(NoLiveRankError, match="no ranks"):
+        policy.route(req([1, 2, 3]), [], {})
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_bad_rank_lists_are_rejected(name):
+    policy = make_policy(name)
+    with pytest.raises(ValueError, match="twice"):
+        policy.route(req([1, 2, 3]), [RankState(0), RankState(0)], {})
+    with pytest.raises(TypeError):
+        policy.route(req([1, 2, 3]), [0, 1], {})
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_deterministic_with_a_seed(name):
+    def run(seed):
+        rng = random.Random(7)
+        policy = make_policy(name, seed=seed)
+        out = []
+        for _ in range(60):
+            states = [RankState(r, queued_requests=rng.randrange(3), queued_prefill_tokens=rng.randrange(3) * 64,
+                                running_decode_blocks=rng.randrange(3)) for r in range(6)]
+            request = req([rng.randrange(4) for _ in range(rng.randrange(2, 40))])
+            matches = {r: held(min(len(request.block_hashes), rng.randrange(4))) for r in range(6)}
+            d = policy.route(request, states, matches)
+            policy.on_routed(request, d)
+            out.append((d.rank, d.migrate_from, d.migrate_blocks))
+        return out
+    assert run(11) == run(11)
+
+
+@pytest.mark.parametrize("name", CACHE_AWARE)
+def test_cache_aware_policies_prefer_the_rank_holding_the_prefix(name):
+    policy = make_policy(name, seed=0)
+    prefix = list(range(100, 140))
+    prime(policy, req(prefix + [1]), 2)
+    request = req(prefix + [7, 8, 9])
+    matches = {2: held(10), 0: held(1)}
+    states = ranks(4, queued_requests=1, queued_prefill_tokens=32, running_decode_blocks=4,
+                   kv_used_blocks=10, kv_total_blocks=100)
+    assert policy.route(request, states, matches).rank == 2
+
+
+def _simulate(policy_name: str) -> int:
+    """Prompt tokens computed over a workload with shared system prompts, on an index fed by the choices."""
+    rng = random.Random(4)
+    index = PrefixIndex(TPB)
+    policy = make_policy(policy_name, seed=0)
+    systems = [[rng.randrange(1000) for _ in range(12 * TPB)] for _ in range(6)]
+    computed = 0
+    for _ in range(60):
+        tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 3 * TPB))]
+        request = req(tokens)
+        decision = policy.route(request, ranks(4), match_prefix(index, request.block_hashes))
+        policy.on_routed(request, decision)
+        computed += len(tokens) - decision.matched_tokens[decision.rank]
+        hs = list(request.block_hashes)
+        index.apply(decision.rank, index.next_seq(decision.rank),
+                    EventBatch(0.0, [BlockStored(hs, None, tokens[:len(hs) * TPB], TPB)]))
+    return computed
+
+
+def test_kv_beats_round_robin_when_prefixes_are_held():
+    kv, rr = _simulate("kv"), _simulate("round_robin")
+    assert kv < 0.5 * rr, (kv, rr)
+
+
+# --- kv (ours) --------------------------------------------------------------------------------------
+
+PROMPT41 = list(range(200, 241)) + [5]         # 42 tokens: 10 full blocks before the last token
+
+
+def test_kv_cost_counts_prefill_onboard_queue_and_decode_exactly():
+    cost = KvCostModel(prefill_s_per_token=1e-3, onboard_s_per_block=1e-4, decode_s_per_block=1e-5,
+                       allow_migration=False)
+    policy = KvPolicy(cost)
+    states = [RankState(0, queued_prefill_tokens=10, running_decode_blocks=100), RankState(1)]
+    d = policy.route(req(PROMPT41), states, {0: held(10, host=4), 1: held(2)})
+    assert d.scores[0] == pytest.approx(10 * 1e-3 + 100 * 1e-5 + (42 - 40) * 1e-3 + 4 * 1e-4)
+    assert d.scores[1] == pytest.approx((42 - 8) * 1e-3)
+    assert d.rank == 0 and d.lower_is_better and d.matched_tokens == {0: 40, 1: 8}
+
+
+def test_kv_host_blocks_cost_an_onboard_not_a_prefill():
+    d = KvPolicy().route(req(PROMPT41), ranks(2), {0: held(10, host=10), 1: held(10)})
+    assert d.rank == 1
+    assert d.scores[0] - d.scores[1] == pytest.approx(10 * KvCostModel().onboard_s_per_block)
+    none = KvPolicy().route(req(PROMPT41), ranks(2), {1: held(10)}).scores[0]
+    assert d.scores[0] < none      # onboarding beats recomputing
+
+
+BUSY = [RankState(0, queued_prefill_tokens=100_000), RankState(1), RankState(2, queued_prefill_tokens=50)]
+#: A slow prefill (1 ms per token) makes the arithmetic of these small prompts easy to follow.
+COST = KvCostModel(prefill_s_per_token=1e-3, onboard_s_per_block=1e-4, migrate_s_per_block=1e-4,
+                   migrate_setup_s=1e-3, decode_s_per_block=1e-5)
+
+
+def test_kv_migrates_the_prefix_off_an_overloaded_rank_when_the_transfer_is_cheaper():
+    d = KvPolicy(COST).route(req(PROMPT41), BUSY, {0: held(10), 2: held(3)})
+    assert (d.rank, d.migrate_from, d.migrate_blocks) == (1, 0, 10)
+    assert d.scores[1] == pytest.approx(2 * 1e-3 + 1e-3 + 10 * 1e-4)       # 2 tokens + setup + 10 blocks
+    assert d.scores[2] == pytest.approx(50e-3 + 2e-3 + 1e-3 + 7 * 1e-4)    # its queue; only 7 blocks to move
+    # a rank already holding part of the prefix only needs the rest
+    d = KvPolicy(COST).route(req(PROMPT41), [BUSY[0], BUSY[2]], {0: held(10), 2: held(3)})
+    assert (d.rank, d.migrate_from, d.migrate_blocks) == (2, 0, 7)
+
+
+def test_kv_recomputes_when_the_transfer_costs_more():
+    # moving a block now costs a little more than computing its 4 tokens
+    slow = dataclasses.replace(COST, migrate_s_per_block=TPB * 1e-3 * 1.01)
+    d = KvPolicy(slow).route(req(PROMPT41), BUSY, {0: held(10), 2: held(3)})
+    assert (d.rank, d.migrate_from, d.migrate_blocks) == (1, None, 0)
+    assert d.scores[1] == pytest.approx(42 * 1e-3)
+
+
+def test_kv_stays_on_the_holder_when_it_is_not_overloaded_or_migration_is_off():
+    states = [RankState(0, queued_prefill_tokens=1, running_decode_blocks=20), RankState(1)]
+    d = KvPolicy(COST).route(req(PROMPT41), states, {0: held(10)})
+    assert (d.rank, d.migrate_from) == (0, None)
+    no_moves = dataclasses.replace(COST, allow_migration=False)
+    d = KvPolicy(no_moves).route(req(PROMPT41), BUSY, {0: held(10)})
+    assert (d.rank, d.migrate_from) == (1, None)
+
+
+def test_kv_cost_model_rejects_bad_values():
+    with pytest.raises(ValueError):
+        KvCostModel(prefill_s_per_token=0)
+    with pytest.raises(ValueError):
+        KvCostModel(onboard_s_per_block=-1.0)
+    with pytest.raises(ValueError):
+        KvCostModel(migrate_s_per_block=float("nan"))
+    with pytest.raises(TypeError):
+        KvCostModel(allow_migration=1)
+
+
+# --- peers --------------------------------------------------------------------------------------------
+
+def test_dynamo_logit_matches_its_formula():
+    states = [RankState(0, queued_prefill_tokens=8, running_decode_blocks=5), RankState(1, running_decode_blocks=30)]
+    d = make_policy("dynamo").route(req(PROMPT41), states, {0: held(8, host=2)})
+    blocks = 11                                   # 42 tokens in blocks of 4
+    assert d.scores[0] == pytest.approx(max((8 + 42) / 4 - (6 * 1.0 + 2 * 0.75), 0) + 5 + blocks)
+    assert d.scores[1] == pytest.approx(42 / 4 + 30 + blocks)
+    assert d.rank == 0
+    w = make_policy("dynamo", overlap_score_weight=0.0).route(req(PROMPT41), states, {}).scores
+    assert w == {0: 5 + blocks, 1: 30 + blocks}
+
+
+def test_llm_d_weighted_scorers():
+    states = [RankState(0, queued_requests=4, kv_used_blocks=50, kv_total_blocks=100),
+              RankState(1, queued_requests=0, kv_used_blocks=90, kv_total_blocks=100),
+              RankState(2, queued_requests=2, kv_used_blocks=0, kv_total_blocks=100)]
+    d = make_policy("llm_d").route(req(PROMPT41), states, {0: held(10), 2: held(5)})
+    assert d.scores == pytest.approx({0: 3 * 1.0 + 2 * 0.0 + 2 * 0.5, 1: 0 + 2 * 1.0 + 2 * 0.1,
+                                      2: 3 * 0.5 + 2 * 0.5 + 2 * 1.0})
+    assert d.rank == 2 and not d.lower_is_better
+    same_queue = make_policy("llm_d").route(req(PROMPT41), ranks(2), {})
+    assert same_queue.scores == {0: 4.0, 1: 4.0}
+
+
+def test_cache_aware_balances_when_loads_are_imbalanced():
+    policy = CacheAwarePolicy()
+    prime(policy, req(PROMPT41), 0)
+    states = [RankState(0, running_requests=200), RankState(1, running_requests=100), RankState(2, running_requests=9)]
+    d = policy.route(req(PROMPT41), states, {})
+    assert d.rank == 2 and d.scores == {0: 200, 1: 100, 2: 9}
+    # imbalance must be both absolute (> 64) and relative (> 1.5x)
+    states = [RankState(0, running_requests=200), RankState(1, running_requests=140)]
+    assert policy.route(req(PROMPT41), states, {}).rank == 0
+
+
+def test_cache_aware_affinity_above_threshold_else_emptiest_tree():
+    policy = CacheAwarePolicy()
+    prime(policy, req(PROMPT41), 1)
+    prime(policy, req(list(range(900, 1000))), 0)
+    d = policy.route(req(PROMPT41[:20] + [1] * 10), ranks(3), {})    # 20 of 30 tokens seen on rank 1
+    assert d.rank == 1 and d.scores == {0: 0.0, 1: 20.0, 2: 0.0}
+    d = policy.route(req(PROMPT41[:5] + [1] * 25), ranks(3), {})     # 5/30 <= 0.3: the emptiest rank
+    assert d.rank == 2
+    policy.on_rank_removed(1)
+    assert policy.route(req(PROMPT41[:20] + [1] * 10), ranks(3), {}).rank == 2
+
+
+def test_round_robin_cycles_over_live_ranks():
+    policy = make_policy("round_robin")
+    states = [RankState(0), RankState(1, alive=False), RankState(2)]
+    assert [policy.route(req([1, 2]), states, {}).rank for _ in range(4)] == [0, 2, 0, 2]
+
+
+def test_power_of_two_takes_the_less_loaded_of_its_pair():
+    policy = make_policy("power_of_two", seed=2)
+    states = [RankState(r, running_requests=10 * r) for r in range(4)]
+    for _ in range(30):
+        d = policy.route(req([1, 2]), states, {})
+        assert len(d.scores) == 2 and d.rank == min(d.scores, key=d.scores.get)
+    assert {policy.route(req([1]), [RankState(5)], {}).rank} == {5}
+
+
+def test_random_spreads_over_live_ranks():
+    policy = make_policy("random", seed=0)
+    states = ranks(3) + [RankState(3, alive=False)]
+    assert {policy.route(req([1]), states, {}).rank for _ in range(100)} == {0, 1, 2}
+
+
+# --- registry and request/state validation ---------------------------------------------------------
+
+def test_make_policy_builds_configs_from_options():
+    assert make_policy("kv", migrate_s_per_block=1.0).config.migrate_s_per_block == 1.0
+    assert make_policy("cache_aware", cache_threshold=0.5).config.cache_threshold == 0.5
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fastest")
+    with pytest.raises(TypeError, match="no option"):
+        make_policy("kv", prefil_s_per_token=1.0)
+    with pytest.raises(TypeError, match="takes no options"):
+        make_policy("round_robin", cache_threshold=0.5)
+    with pytest.raises(ValueError):
+        make_policy("cache_aware", cache_threshold=2.0)
+
+
+def test_route_request_and_rank_state_validate():
+    assert len(req(PROMPT41).block_hashes) == 10
+    with pytest.raises(ValueError, match="block hashes"):
+        RouteRequest(tuple(PROMPT41), (1, 2), TPB)
+    with pytest.raises(ValueError, match="at least one token"):
+        RouteRequest.of([], TPB)
+    with pytest.raises(ValueError):
+        RouteRequest.of([1, -2, 3], TPB)
+    with pytest.raises(ValueError):
+        RankState(-1)
+    with pytest.raises(ValueError, match="exceeds"):
+        RankState(0, kv_used_blocks=5, kv_total_blocks=4)
+    with pytest.raises(TypeError):
+        RankState(0, alive=1)
+
+
+# --- the approximate tree behind cache_aware -----------------------------------------------------------
+
+def test_approx_tree_splits_matches_and_evicts_least_recently_used():
+    tree = ApproxTree(max_tokens_per_rank=20)
+    tree.insert((1, 2, 3, 4, 5, 6), 0)
+    tree.insert((1, 2, 3, 9, 9), 1)
+    tree.insert((1, 2, 3, 4, 7), 0)
+    assert tree.match((1, 2, 3, 4, 5, 6, 8), {0, 1}) == {0: 6, 1: 3}
+    assert tree.match((1, 2, 3, 4, 5), {1}) == {1: 3}
+    assert tree.size(0) == 7 and tree.size(1) == 5
+    tree.insert(tuple(range(100, 115)), 0)               # 22 tokens > 20: oldest leaves go first
+    assert tree.size(0) <= 16
+    assert tree.match((1, 2, 3, 4, 5, 6), {0}) == {}
+    assert tree.match(tuple(range(100, 115)), {0}) == {0: 15}
+    assert tree.match((1, 2, 3, 9), {1}) == {1: 4}
+    tree.remove_rank(1)
+    assert tree.match((1, 2, 3, 9), {0, 1}) == {} and tree.size(1) == 0

@@ -1,0 +1,142 @@
+"""The router indexes a real vLLM engine's events: a publisher written to vLLM's ZMQ framing, on 127.0.0.1."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import msgpack
+import pytest
+import zmq
+
+from router.foreign import ForeignFeed
+from router.index import PrefixIndex
+from router.probe import probe
+from router.vllm_events import END_SEQ, VllmEventSubscriber
+
+T = 4
+VLLM_RANK = 100
+
+
+def vllm_stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict:
+    """A BlockStored as vLLM 0.33 writes it (map layout, its own hashes)."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": T, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention"}
+
+
+def vllm_removed(hashes: list[int]) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+class FakeVllmPublisher:
+    """vLLM's ZmqEventPublisher framing: PUB (topic, seq, payload), ROUTER replays ending in the all-ones marker."""
+
+    def __init__(self, buffer_steps: int = 16) -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.XPUB)  # XPUB: we can wait for the subscription instead of sleeping
+        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.replay = ctx.socket(zmq.ROUTER)
+        self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replays, daemon=True)
+        self._thread.start()
+
+    def wait_subscribed(self, timeout_ms: int = 5000) -> None:
+        assert self.pub.poll(timeout_ms), "subscriber never subscribed"
+        self.pub.recv()
+
+    def publish(self, events: list[dict], send: bool = True) -> int:
+        payload = msgpack.packb([1700000000.0 + self.seq, events, 0])
+        seq, self.seq = self.seq, self.seq + 1
+        self.buffer.append((seq, payload))
+        if send:  # send=False: the message is lost on the way, as PUB/SUB allows
+            self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+        return seq
+
+    def _serve_replays(self) -> None:
+        while not self._stop.is_set():
+            if not self.replay.poll(50):
+                continue
+            client, _, start = self.replay.recv_multipart()
+            for seq, payload in list(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    self.replay.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
+            self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.pub.close(linger=0)
+        self.replay.close(linger=0)
+
+
+@pytest.fixture
+def engine():
+    pub = FakeVllmPublisher(buffer_steps=2)
+    index = PrefixIndex(tokens_per_block=T)
+    sub = VllmEventSubscriber(ForeignFeed(index), VLLM_RANK, f"tcp://127.0.0.1:{pub.pub_port}",
+                              replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}")
+    pub.wait_subscribed()
+    yield pub, index, sub
+    sub.close()
+    pub.close()
+
+
+def matched(index: PrefixIndex, tokens: list[int]) -> int:
+    m = probe(index, tokens).get(VLLM_RANK)
+    return 0 if m is None else m.matched_tokens
+
+
+def test_vllm_blocks_are_indexed_under_our_hashes_and_removed_by_theirs(engine):
+    pub, index, sub = engine
+    prompt = list(range(1, 13))
+    pub.publish([vllm_stored([0xA1, 0xA2], None, prompt[:8])])
+    assert sub.poll_once(5000)
+    assert matched(index, prompt[:8] + [0]) == 8
+    pub.publish([vllm_stored([0xA3], 0xA2, prompt[8:12])])
+    assert sub.poll_once(5000)
+    assert matched(index, prompt + [0]) == 12
+    pub.publish([vllm_removed([0xA2])])
+    assert sub.poll_once(5000)
+    assert matched(index, prompt + [0]) == 4  # the chain breaks at the removed block
+    assert sub.stats.batches_applied == 3
+
+
+def test_a_lost_batch_is_replayed(engine):
+    pub, index, sub = engine
+    prompt = list(range(20, 32))
+    pub.publish([vllm_stored([0xB1], None, prompt[:4])])
+    assert sub.poll_once(5000)
+    pub.publish([vllm_stored([0xB2], 0xB1, prompt[4:8])], send=False)  # lost
+    pub.publish([vllm_stored([0xB3], 0xB2, prompt[8:12])])
+    assert sub.poll_once(5000)
+    assert sub.stats.batches_replayed == 1
+    assert matched(index, prompt + [0]) == 12
+
+
+def test_a_replay_that_cannot_reach_back_resets_the_rank(engine):
+    pub, index, sub = engine
+    prompt = list(range(40, 52))
+    pub.publish([vllm_stored([0xC1], None, prompt[:4])])
+    assert sub.poll_once(5000)
+    for _ in range(3):  # lost, and pushed out of the 2-batch replay buffer
+        pub.publish([vllm_stored([0xD1], None, [9, 9, 9, 9])], send=False)
+    pub.publish([vllm_stored([0xC9], None, prompt[4:8])])
+    assert sub.poll_once(5000)
+    assert sub.stats.resets == 1
+    assert matched(index, prompt + [0]) == 0  # the old holdings were dropped; the new chain has no known root
+    assert matched(index, prompt[4:8] + [0]) == 4
+
+
+def test_malformed_payloads_are_counted_not_applied(engine):
+    pub, index, sub = engine
+    pub.pub.send_multipart((b"", (0).to_bytes(8, "big"), b"\xc1garbage"))
+    assert sub.poll_once(5000)
+    assert sub.stats.batches_malformed == 1 and sub.stats.batches_applied == 0
+
+
+def test_endpoint_must_be_a_zmq_address():
+    with pytest.raises(ValueError, match="ZMQ address"):
+        VllmEventSubscriber(ForeignFeed(PrefixIndex(tokens_per_block=T)), 1, "127.0.0.1:5557")

@@ -390,3 +390,13 @@ def test_primary_blocks_stay_on_primary_tier_while_held():
     mgr = make_manager(primary=4, secondary=2)
     serve(mgr, make_request(1, A))
     assert all(mgr.blocks[i].tier == PRIMARY for i in mgr.get_block_ids(1))
+
+
+def test_abort_releases_without_storing():
+    mgr = make_manager()
+    mgr.add_sequence(make_request(1, A))
+    mgr.take_events()
+    mgr.remove_sequence(1, store=False)
+    assert mgr.take_events() == [] and mgr.probe_prefix_match_length(A + [0]) == 0
+    assert mgr.stats().free_num_blocks == 8
+    mgr.check_integrity()

@@ -57,10 +57,14 @@ class ReferenceEngine:
         ids = [r.request_id for r in requests]
         cached = manager.add_sequences(list(requests))
         admissions = [manager.admission(rid) for rid in ids]
-        # Admitted but not yet prefilled: on a failure here the blocks' KV is unwritten, so the
-        # sequences are left in the ledger rather than stored (the manager has no abort-without-store).
-        logits = self.model.forward(pool, manager.block_table(ids), [r.tokens[c:] for r, c in zip(requests, cached)],
-                                    cached, [r.lora_id for r in requests])
+        try:
+            logits = self.model.forward(pool, manager.block_table(ids),
+                                        [r.tokens[c:] for r, c in zip(requests, cached)], cached,
+                                        [r.lora_id for r in requests])
+        except BaseException:
+            for rid in ids:  # the prompts' KV was never written: nothing of it may become reusable
+                manager.remove_sequence(rid, store=False)
+            raise
         last_rows = torch.tensor([len(r.tokens) - c for r, c in zip(requests, cached)]).cumsum(0) - 1
         last = logits[last_rows.to(logits.device)]
         results = [ServeResult(r.request_id, [], last[i].float().cpu().clone(), c, len(r.tokens) - c,

@@ -1,0 +1,13 @@
+"""``kvledger bench``: replay request traces through the real router and ledgers, every policy side by side.
+
+``trace`` (Mooncake loader, synthetic generator), ``bounds`` (infinite-cache and
+pooled-LRU hit rates), ``simulator`` (the discrete-event replay), ``report``
+(table, JSON, PNG) and ``runner`` (all of it, policies in parallel processes).
+"""
+from launch.bench.bounds import Bounds, compute_bounds
+from launch.bench.runner import BenchConfig, BenchResult, run
+from launch.bench.simulator import PolicyRun, SimConfig, SimCosts, simulate
+from launch.bench.trace import SyntheticConfig, Trace, TraceRequest, generate_synthetic, load_mooncake
+
+__all__ = ["BenchConfig", "BenchResult", "Bounds", "PolicyRun", "SimConfig", "SimCosts", "SyntheticConfig", "Trace",
+           "TraceRequest", "compute_bounds", "generate_synthetic", "load_mooncake", "run", "simulate"]

@@ -1,0 +1,184 @@
+"""Run the bench: load or generate the trace, compute the bounds, replay every policy (in parallel
+processes when asked), and summarise. The CLI (``launch/bench_cli.py``) only parses flags into a
+``BenchConfig`` and calls ``run``."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from launch.bench.bounds import Bounds, compute_bounds
+from launch.bench.report import PolicySummary, summarize
+from launch.bench.simulator import PolicyRun, RouteHasher, SimConfig, SimCosts, check_fits, simulate
+from launch.bench.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, generate_synthetic,
+                                load_mooncake)
+from router.policies import policy_names
+
+SYNTHETIC = "synthetic"
+#: Block size of generated traces when ``--tokens-per-block`` is not given.
+SYNTHETIC_BLOCK_SIZE = 64
+#: Requests of a generated trace when ``--limit`` is not given.
+SYNTHETIC_REQUESTS = 1000
+ENGINES = ("sim", "tiny")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    trace: str = SYNTHETIC
+    """A Mooncake JSONL file, or ``synthetic`` for the seeded generator."""
+    ranks: int = 4
+    policy: str = "all"
+    """A policy name, or ``all`` (every registered policy on the same trace)."""
+    capacity_blocks: int | None = None
+    """Device blocks of the whole cluster; None = a quarter of the trace's unique blocks (at least room for
+    two of its largest requests on every rank)."""
+    host_blocks: int = 0
+    """Host-tier blocks of the whole cluster."""
+    tokens_per_block: int | None = None
+    """None = the trace's own block size (512 for Mooncake, 64 for synthetic)."""
+    engine: str = "sim"
+    speed: float = 1.0
+    limit: int | None = None
+    seed: int = 0
+    partial_reuse: bool = False
+    migration: bool = True
+    jobs: int = 0
+    """Processes replaying policies side by side; 0 = min(policies, CPU cores)."""
+    costs: SimCosts = field(default_factory=SimCosts)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "tiny":
+            raise ValueError("--engine tiny replays through a real local cluster over HTTP (kvledger up), "
+                             "which is not built yet; use --engine sim")
+        if self.policy != "all" and self.policy not in policy_names():
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {policy_names()} or 'all'")
+        if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
+            raise ValueError(f"--limit must be a positive int, got {self.limit!r}")
+        if type(self.jobs) is not int or self.jobs < 0:
+            raise ValueError(f"--jobs must be an int >= 0, got {self.jobs!r}")
+        if self.tokens_per_block is not None and (type(self.tokens_per_block) is not int or self.tokens_per_block < 1):
+            raise ValueError(f"--tokens-per-block must be a positive int, got {self.tokens_per_block!r}")
+
+    @property
+    def policies(self) -> list[str]:
+        return policy_names() if self.policy == "all" else [self.policy]
+
+
+@dataclass(slots=True)
+class BenchResult:
+    trace: Trace
+    sim: SimConfig
+    bounds: Bounds
+    runs: dict[str, PolicyRun]
+    summaries: dict[str, PolicySummary]
+    wall_s: float
+    unique_blocks: int
+
+    def meta(self) -> dict[str, object]:
+        s = self.sim
+        return {"trace": self.trace.name, "ranks": s.ranks, "engine": "sim", "requests": len(self.trace.requests),
+                "capacity_blocks": s.capacity_blocks, "host_blocks": s.host_blocks,
+                "tokens_per_block": s.tokens_per_block, "speed": s.speed, "seed": s.seed,
+                "partial_reuse": s.partial_reuse, "migration": s.migration, "unique_blocks": self.unique_blocks,
+                "costs": {f: getattr(s.costs, f) for f in s.costs.__dataclass_fields__},
+                "wall_s": round(self.wall_s, 3)}
+
+
+def load_trace(config: BenchConfig) -> tuple[Trace, int]:
+    """The trace (limited) and the ledgers' tokens per block."""
+    if config.trace == SYNTHETIC:
+        tpb = config.tokens_per_block or SYNTHETIC_BLOCK_SIZE
+        trace = generate_synthetic(SyntheticConfig(requests=config.limit or SYNTHETIC_REQUESTS, block_size=tpb,
+                                                   seed=config.seed))
+        return trace, tpb
+    trace = load_mooncake(config.trace).limited(config.limit)
+    return trace, config.tokens_per_block or MOONCAKE_BLOCK_SIZE
+
+
+# --- parallel replay ------------------------------------------------------------------------------
+
+_WORKER: dict[str, object] = {}
+
+
+def _worker_init(trace: Trace, sim: SimConfig, chains: list[list[int]], progress_queue: object) -> None:
+    _WORKER.update(trace=trace, sim=sim, chains=chains, queue=progress_queue, hasher=RouteHasher(sim.tokens_per_block))
+
+
+def _worker_run(policy: str) -> PolicyRun:
+    q = _WORKER["queue"]
+    return simulate(_WORKER["trace"], policy, _WORKER["sim"],  # type: ignore[arg-type]
+                    progress=lambda k: q.put((policy, k)), chains=_WORKER["chains"],  # type: ignore[union-attr]
+                    hasher=_WORKER["hasher"])  # type: ignore[arg-type]
+
+
+def replay_all(trace: Trace, sim: SimConfig, policies: list[str], chains: list[list[int]], jobs: int,
+               progress: Callable[[str, int], None] | None = None) -> dict[str, PolicyRun]:
+    """Every policy on the same trace; ``jobs`` > 1 runs them in spawned processes (results are identical:
+    the replay depends only on the trace, the config and the seed)."""
+    if jobs <= 1 or len(policies) == 1:
+        out = {}
+        hasher = RouteHasher(sim.tokens_per_block)
+        for p in policies:
+            out[p] = simulate(trace, p, sim, progress=(lambda k, p=p: progress(p, k)) if progress else None,
+                              chains=chains, hasher=hasher)
+        return out
+    ctx = mp.get_context("spawn")   # no fork under the progress bar's thread; same on every OS
+    q = ctx.Queue()
+    with ctx.Pool(jobs, initializer=_worker_init, initargs=(trace, sim, chains, q)) as pool:
+        pending = {p: pool.apply_async(_worker_run, (p,)) for p in policies}
+        out = {}
+        while len(out) < len(policies):
+            try:
+                name, k = q.get(timeout=0.2)
+                if progress:
+                    progress(name, k)
+                continue
+            except queue_mod.Empty:
+                pass
+            for p, res in pending.items():
+                if p not in out and res.ready():
+                    out[p] = res.get()
+        while True:   # drain what was reported after the last result
+            try:
+                name, k = q.get_nowait()
+            except queue_mod.Empty:
+                break
+            if progress:
+                progress(name, k)
+    return {p: out[p] for p in policies}
+
+
+def run(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
+        on_trace: Callable[[Trace, list[str]], None] | None = None) -> BenchResult:
+    """Load, bound, replay, summarise. ``on_trace`` is told the trace and policies before replay starts
+    (the CLI opens its progress bars there)."""
+    wall0 = time.perf_counter()
+    trace, tpb = load_trace(config)
+    chains_of = BlockChains(trace.block_size, tpb)
+    chains = [chains_of.chain(r) for r in trace.requests]
+    unique = len(chains_of)
+    capacity = config.capacity_blocks
+    if capacity is None:
+        largest = max((-(-(r.input_length + r.output_length) // tpb) for r in trace.requests), default=1)
+        capacity = max(unique // 4, 2 * largest * config.ranks)
+    sim = SimConfig(ranks=config.ranks, capacity_blocks=capacity, host_blocks=config.host_blocks,
+                    tokens_per_block=tpb, speed=config.speed, partial_reuse=config.partial_reuse,
+                    migration=config.migration, seed=config.seed, costs=config.costs)
+    check_fits(trace, sim)
+    # the pooled cache holds everything the cluster can keep: device and host tiers
+    bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb, capacity + config.host_blocks)
+    policies = config.policies
+    jobs = config.jobs or min(len(policies), os.cpu_count() or 1)
+    if on_trace is not None:
+        on_trace(trace, policies)
+    runs = replay_all(trace, sim, policies, chains, jobs, progress)
+    summaries = {p: summarize(r, bounds, sim.ranks) for p, r in runs.items()}
+    return BenchResult(trace, sim, bounds, runs, summaries, time.perf_counter() - wall0, unique)
+
+
+__all__ = ["BenchConfig", "BenchResult", "load_trace", "replay_all", "run"]

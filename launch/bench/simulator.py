@@ -1,0 +1,464 @@
+"""A discrete-event replay of a trace through the real router and real (metadata-only) ledgers.
+
+Per rank: one ``KVCacheManager`` (``materialize=False``), an ``EventPublisher``
+and a FIFO queue. The router is the real one: a ``PrefixIndex`` fed only by the
+ranks' published batches (``apply_bytes`` after every ledger operation, so the
+index sees each change as soon as the rank makes it), ``match_prefix`` to probe,
+and a policy from ``make_policy``.
+
+The model of a rank (kept simple on purpose; ``SimCosts`` holds the figures):
+
+- Prefill is served one request at a time, first come first served. A request
+  starts when the rank is idle and its blocks fit; only then is it admitted on
+  the ledger, so its cached tokens are what the ledger really reused at that
+  moment. Prefill takes ``computed tokens * prefill_s_per_token + onboarded
+  blocks * onboard_s_per_block`` (+ ``migrate_setup_s + moved blocks *
+  migrate_s_per_block`` when the ``kv`` policy asked for a migration). The
+  prompt's full blocks are stored when prefill ends; the first token is out then
+  (TTFT = prefill end - arrival).
+- Decode runs alongside (continuous batching, no interference with prefill):
+  every running request advances one token per ``decode_s_per_token``; it ends
+  after ``output_length`` tokens and releases its blocks. Its decode blocks are
+  reserved at admission (``add_token`` with no token ids: they are never
+  reusable), so a running request never runs out of blocks.
+- When the head of the queue does not fit, the queue waits until a request on
+  that rank finishes (never dropped); a request larger than a whole rank is
+  refused up front.
+- A migration (``RouteDecision.migrate_from``) moves metadata: when the request
+  starts, the target ledger imports the prefix the source still holds (a
+  prefix request admitted, stored and released), announced as ordinary
+  ``BlockStored`` events, and the transfer time is charged to the target.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from launch.bench.trace import BlockChains, Trace, TraceRequest, request_tokens
+from router.index import PrefixIndex
+from router.policies import RankState, RouteRequest, RoutingPolicy, make_policy
+from router.probe import PrefixMatch, match_prefix
+from worker import CacheConfig, KVCacheManager, OutOfBlocksError, Request
+from worker.block_key import ROOT_HASH, BlockKey, chain_hash
+from worker.publisher import EventPublisher
+
+
+@dataclass(frozen=True, slots=True)
+class SimCosts:
+    """Service costs of one rank; the defaults model one GPU serving an 8B-class model (Llama-3-8B, fp16 KV)."""
+
+    prefill_tokens_per_s: float = 20_000.0
+    """Prompt tokens one rank computes per second."""
+    kv_bytes_per_token: int = 131_072
+    """KV bytes of one token: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes = 128 KiB."""
+    pcie_gbytes_per_s: float = 25.0
+    """Host-to-device rate for onboarding a block from the host tier (PCIe Gen4 x16, effective)."""
+    nvlink_gbytes_per_s: float = 150.0
+    """Rank-to-rank rate for migrating blocks (NVLink, effective)."""
+    migrate_setup_s: float = 0.002
+    """Fixed cost of one migration (coordinating sender and receiver)."""
+    decode_s_per_token: float = 0.03
+    """One decode step; each running request gets one token per step (the step is shared by the batch)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"SimCosts.{f.name} must be a finite number >= 0, got {v!r}")
+        for name in ("prefill_tokens_per_s", "kv_bytes_per_token", "pcie_gbytes_per_s", "nvlink_gbytes_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SimCosts.{name} must be > 0")
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return 1.0 / self.prefill_tokens_per_s
+
+    def onboard_s_per_block(self, tokens_per_block: int) -> float:
+        return tokens_per_block * self.kv_bytes_per_token / (self.pcie_gbytes_per_s * 1e9)
+
+    def migrate_s_per_block(self, tokens_per_block: int) -> float:
+        return tokens_per_block * self.kv_bytes_per_token / (self.nvlink_gbytes_per_s * 1e9)
+
+    def kv_policy_options(self, tokens_per_block: int) -> dict[str, float]:
+        """The ``kv`` policy's cost model told the deployment's figures (as its docstring asks)."""
+        return {"prefill_s_per_token": self.prefill_s_per_token,
+                "onboard_s_per_block": self.onboard_s_per_block(tokens_per_block),
+                "migrate_s_per_block": self.migrate_s_per_block(tokens_per_block),
+                "migrate_setup_s": self.migrate_setup_s,
+                "decode_s_per_block": 0.0}   # decode does not slow prefill in this model
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    ranks: int = 4
+    """Ranks (one ledger each)."""
+    capacity_blocks: int = 4096
+    """Device-tier blocks of the whole cluster, split evenly over the ranks."""
+    host_blocks: int = 0
+    """Host-tier blocks of the whole cluster (offload / onboard), split evenly."""
+    tokens_per_block: int = 16
+    speed: float = 1.0
+    """Arrival times are divided by this."""
+    partial_reuse: bool = False
+    """Let ledgers reuse partly matching blocks (off: block granularity, as the router and the bounds see it)."""
+    migration: bool = True
+    """Let the ``kv`` policy pull a prefix from another rank."""
+    seed: int = 0
+    costs: SimCosts = field(default_factory=SimCosts)
+    load_buckets: int = 60
+    """Time buckets of the per-rank load series."""
+
+    def __post_init__(self) -> None:
+        if type(self.ranks) is not int or self.ranks < 1:
+            raise ValueError(f"ranks must be a positive int, got {self.ranks!r}")
+        if type(self.capacity_blocks) is not int or self.capacity_blocks < self.ranks:
+            raise ValueError(f"capacity_blocks must be an int >= ranks ({self.ranks}), got {self.capacity_blocks!r}")
+        if type(self.host_blocks) is not int or self.host_blocks < 0:
+            raise ValueError(f"host_blocks must be an int >= 0, got {self.host_blocks!r}")
+        if type(self.tokens_per_block) is not int or self.tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be a positive int, got {self.tokens_per_block!r}")
+        if type(self.speed) not in (int, float) or not math.isfinite(self.speed) or self.speed <= 0:
+            raise ValueError(f"speed must be a finite number > 0, got {self.speed!r}")
+
+    def rank_blocks(self, rank: int, total: int) -> int:
+        base, extra = divmod(total, self.ranks)
+        return base + (1 if rank < extra else 0)
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """Everything one policy's replay measured; per-request arrays are in trace order."""
+
+    policy: str
+    prompt_tokens: np.ndarray
+    cached_tokens: np.ndarray
+    computed_tokens: np.ndarray
+    ttft_s: np.ndarray
+    e2e_s: np.ndarray
+    rank: np.ndarray
+    onboarded_blocks: int
+    migrated_blocks: int
+    migrations: int
+    work_s: list[float]
+    """Busy seconds of each rank's prefill (compute, onboarding, migration)."""
+    load_series: list[list[float]]
+    """Per rank, the busy share of each time bucket."""
+    bucket_s: float
+    makespan_s: float
+    wall_s: float
+    output_tokens: int
+
+
+class RouteHasher:
+    """The prompt hashes a probe walks (``router.probe.prompt_hashes``), computed once per distinct block.
+
+    Keyed by ``BlockChains`` ids, which are equal exactly when the block and its prefix are,
+    so the memo returns what ``chain_hash`` would; the tests check it against ``prompt_hashes``.
+    """
+
+    __slots__ = ("tokens_per_block", "_memo")
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self._memo: dict[int, int] = {}
+
+    def hashes(self, req: TraceRequest, tokens: list[int], chain: list[int]) -> tuple[int, ...]:
+        T = self.tokens_per_block
+        memo = self._memo
+        out = []
+        parent = ROOT_HASH
+        for k in range((len(tokens) - 1) // T):
+            h = memo.get(chain[k])
+            if h is None:
+                h = memo[chain[k]] = chain_hash(parent, BlockKey(tuple(tokens[k * T:(k + 1) * T]), None,
+                                                                 req.lora_id, (), req.cache_salt))
+            out.append(h)
+            parent = h
+        return tuple(out)
+
+
+class _Job:
+    __slots__ = ("i", "req", "tokens", "arrival", "est_tokens", "migrate_from", "blocks_total",
+                 "start", "duration", "cached", "onboarded", "migrated")
+
+    def __init__(self, i: int, req: TraceRequest, tokens: list[int], arrival: float, est_tokens: int,
+                 migrate_from: int | None, blocks_total: int) -> None:
+        self.i, self.req, self.tokens, self.arrival = i, req, tokens, arrival
+        self.est_tokens, self.migrate_from, self.blocks_total = est_tokens, migrate_from, blocks_total
+        self.start = self.duration = 0.0
+        self.cached = self.onboarded = self.migrated = 0
+
+
+class _Rank:
+    __slots__ = ("rank", "mgr", "pub", "queue", "current", "busy_until", "blocked", "queued_tokens",
+                 "decoding", "decode_blocks", "work_s", "intervals", "capacity")
+
+    def __init__(self, rank: int, mgr: KVCacheManager, pub: EventPublisher) -> None:
+        self.rank, self.mgr, self.pub = rank, mgr, pub
+        self.capacity = mgr.num_primary
+        self.queue: deque[_Job] = deque()
+        self.current: _Job | None = None
+        self.busy_until = 0.0
+        self.blocked = False
+        self.queued_tokens = 0
+        self.decoding = 0
+        self.decode_blocks = 0
+        self.work_s = 0.0
+        self.intervals: list[tuple[float, float]] = []
+
+    def state(self, now: float) -> RankState:
+        cur = self.current
+        pending = self.queued_tokens
+        if cur is not None and cur.duration > 0:
+            pending += int(cur.est_tokens * max(0.0, self.busy_until - now) / cur.duration)
+        used = self.capacity - self.mgr.stats().free_num_blocks
+        return RankState(self.rank, True, len(self.queue) + (cur is not None), pending, self.decoding,
+                         self.decode_blocks, used, self.capacity)
+
+
+_FINISH, _PREFILL_DONE = 0, 1   # at equal times a finish frees blocks before anything starts
+_IMPORT_ID_BASE = 1 << 40       # request ids of migration imports (never a trace index)
+
+
+class Simulator:
+    """One policy's replay of one trace (see the module docstring); ``run`` returns a ``PolicyRun``."""
+
+    def __init__(self, trace: Trace, policy: str, config: SimConfig, chains: list[list[int]] | None = None,
+                 hasher: RouteHasher | None = None) -> None:
+        self.trace, self.config = trace, config
+        T = config.tokens_per_block
+        if chains is None:
+            bc = BlockChains(trace.block_size, T)
+            chains = [bc.chain(r) for r in trace.requests]
+        self.chains = chains
+        self.hasher = hasher if hasher is not None else RouteHasher(T)
+        options = config.costs.kv_policy_options(T) if policy == "kv" else {}
+        if policy == "kv" and not config.migration:
+            options["allow_migration"] = False
+        self.policy: RoutingPolicy = make_policy(policy, seed=config.seed, **options)
+        self.policy_name = policy
+        c = config.costs
+        self.prefill_s = c.prefill_s_per_token
+        self.onboard_s = c.onboard_s_per_block(T)
+        self.migrate_s = c.migrate_s_per_block(T)
+        self.index = PrefixIndex(T)
+        self.ranks: list[_Rank] = []
+        for r in range(config.ranks):
+            cfg = CacheConfig(tokens_per_block=T, num_primary_blocks=config.rank_blocks(r, config.capacity_blocks),
+                              num_secondary_blocks=config.rank_blocks(r, config.host_blocks), materialize=False,
+                              device="cpu", enable_partial_reuse=config.partial_reuse)
+            mgr = KVCacheManager(cfg, clock=lambda: self.now)
+            rank = _Rank(r, mgr, EventPublisher(mgr, r, clock=lambda: self.now))
+            self.ranks.append(rank)
+        self.now = 0.0
+        check_fits(trace, config)
+        for rank in self.ranks:
+            self._publish(rank)
+
+    # --- events -------------------------------------------------------------------------------------
+
+    def _publish(self, rank: _Rank) -> None:
+        batch = rank.pub.poll()
+        if batch is not None:
+            res = self.index.apply_bytes(rank.rank, batch.seq, batch.data)
+            assert res.applied, f"rank {rank.rank} batch {batch.seq}: {res.status} {res.reason}"
+
+    def run(self, progress: Callable[[int], None] | None = None, every: int = 250) -> PolicyRun:
+        wall0 = time.perf_counter()
+        reqs = self.trace.requests
+        n = len(reqs)
+        speed = self.config.speed
+        t0 = reqs[0].timestamp_s if n else 0.0
+        self._ttft = np.zeros(n)
+        self._e2e = np.zeros(n)
+        self._cached = np.zeros(n, dtype=np.int64)
+        self._rank_of = np.zeros(n, dtype=np.int64)
+        self._onboarded = self._migrated = self._migrations = 0
+        heap: list[tuple[float, int, int, object]] = []
+        self._heap, self._tie = heap, itertools.count()
+        i = 0
+        while i < n or heap:
+            arrival = (reqs[i].timestamp_s - t0) / speed if i < n else math.inf
+            if heap and heap[0][0] <= arrival:
+                at, kind, _, what = heapq.heappop(heap)
+                self.now = at
+                if kind == _FINISH:
+                    rank = self._finish(what)
+                else:
+                    rank = what
+                    self._prefill_done(rank)
+            else:
+                self.now = arrival
+                rank = self._route(i, reqs[i])
+                i += 1
+                if progress is not None and i % every == 0:
+                    progress(every)
+            self._try_start(rank)
+        if progress is not None and n % every:
+            progress(n % every)
+        for rank in self.ranks:
+            assert not rank.queue and rank.current is None and not rank.decoding, f"rank {rank.rank} did not drain"
+            rank.mgr.check_integrity()
+            held = {b.block_hash for b in rank.mgr.snapshot()}
+            assert self.index.num_blocks(rank.rank) == len(held), f"rank {rank.rank}: the index disagrees with it"
+        return self._result(time.perf_counter() - wall0)
+
+    def _route(self, i: int, req: TraceRequest) -> _Rank:
+        T = self.config.tokens_per_block
+        tokens = request_tokens(self.trace, req)
+        hashes = self.hasher.hashes(req, tokens, self.chains[i])
+        rr = RouteRequest(tuple(tokens), hashes, T, req.output_length, req.cache_salt, req.lora_id)
+        matches: dict[int, PrefixMatch] = match_prefix(self.index, hashes) if hashes else {}
+        now = self.now
+        states = [r.state(now) for r in self.ranks]
+        decision = self.policy.route(rr, states, matches)
+        self.policy.on_routed(rr, decision)
+        rank = self.ranks[decision.rank]
+        m = matches.get(decision.rank)
+        have = 0 if m is None else m.matched_blocks
+        if decision.migrate_from is not None:
+            have += decision.migrate_blocks
+        est = req.input_length - have * T
+        blocks_total = -(-(req.input_length + req.output_length) // T)
+        job = _Job(i, req, tokens, now, est, decision.migrate_from, blocks_total)
+        rank.queue.append(job)
+        rank.queued_tokens += est
+        self._rank_of[i] = decision.rank
+        return rank
+
+    def _try_start(self, rank: _Rank) -> _Job | None:
+        if rank.current is not None or not rank.queue or rank.blocked:
+            return None
+        job = rank.queue[0]
+        req = job.req
+        mgr = rank.mgr
+        T = self.config.tokens_per_block
+        # Capacity: the whole request (prompt and decode) must fit. ``blocks_total`` over-counts the
+        # blocks it will share with running requests, so only when that rough test fails ask the ledger.
+        free = mgr.stats().free_num_blocks
+        if job.blocks_total > free:
+            probe = Request(job.i, job.tokens, req.output_length, req.lora_id, req.cache_salt)
+            if mgr.get_remaining_blocks_to_completion(probe) > free:
+                rank.blocked = True    # nothing frees blocks on this rank until one of its requests finishes
+                return None
+        rank.queue.popleft()
+        rank.queued_tokens -= job.est_tokens
+        moved = 0
+        if job.migrate_from is not None and job.migrate_from != rank.rank:
+            moved = self._import_prefix(rank, self.ranks[job.migrate_from], job)
+        try:
+            cached = mgr.add_sequence(Request(job.i, job.tokens, req.output_length, req.lora_id, req.cache_salt))
+        except OutOfBlocksError as e:   # the capacity test above makes this a bug
+            raise AssertionError(f"request {job.i} passed the capacity test but: {e}") from e
+        if req.output_length:
+            mgr.add_token(job.i, req.output_length)
+        adm = mgr.admission(job.i)
+        self._publish(rank)
+        job.cached, job.onboarded, job.migrated = cached, adm.onboarded_blocks, moved
+        computed = req.input_length - cached
+        duration = computed * self.prefill_s + adm.onboarded_blocks * self.onboard_s
+        if moved:
+            duration += self.config.costs.migrate_setup_s + moved * self.migrate_s
+        job.start, job.duration = self.now, duration
+        rank.current = job
+        rank.busy_until = self.now + duration
+        heapq.heappush(self._heap, (rank.busy_until, _PREFILL_DONE, next(self._tie), rank))
+        return job
+
+    def _import_prefix(self, target: _Rank, source: _Rank, job: _Job) -> int:
+        """Copy (as metadata) the prefix blocks ``source`` still holds and ``target`` lacks; returns how many moved."""
+        req, T = job.req, self.config.tokens_per_block
+        src = source.mgr.analyze_prefix_reuse(job.tokens, req.lora_id, req.cache_salt).reusable_blocks_all
+        have = target.mgr.analyze_prefix_reuse(job.tokens, req.lora_id, req.cache_salt).reusable_blocks_all
+        if src <= have:
+            return 0
+        rid = _IMPORT_ID_BASE + job.i
+        mgr = target.mgr
+        mgr.add_sequence(Request(rid, job.tokens[:src * T], 0, req.lora_id, req.cache_salt))
+        mgr.store_context_blocks(rid)
+        mgr.remove_sequence(rid)
+        self._publish(target)
+        self._migrations += 1
+        return src - have
+
+    def _finish(self, job: _Job) -> _Rank:
+        rank = self.ranks[int(self._rank_of[job.i])]
+        rank.mgr.remove_sequence(job.i)
+        rank.decoding -= 1
+        rank.decode_blocks -= job.blocks_total
+        rank.blocked = False
+        self._publish(rank)
+        return rank
+
+    def _prefill_done(self, rank: _Rank) -> None:
+        job = rank.current
+        assert job is not None, f"rank {rank.rank}: prefill ended with nothing running"
+        rank.current = None
+        rank.mgr.store_context_blocks(job.i)
+        self._publish(rank)
+        rank.work_s += job.duration
+        rank.intervals.append((job.start, job.duration))
+        i = job.i
+        self._ttft[i] = self.now - job.arrival
+        decode = job.req.output_length * self.config.costs.decode_s_per_token
+        self._e2e[i] = self._ttft[i] + decode
+        self._cached[i] = job.cached
+        self._onboarded += job.onboarded
+        self._migrated += job.migrated
+        job.tokens = []   # the ledger keeps its own copy; free the trace's
+        rank.decoding += 1
+        rank.decode_blocks += job.blocks_total
+        heapq.heappush(self._heap, (self.now + decode, _FINISH, next(self._tie), job))
+
+    def _result(self, wall_s: float) -> PolicyRun:
+        reqs = self.trace.requests
+        prompt = np.array([r.input_length for r in reqs], dtype=np.int64)
+        arrivals = np.array([r.timestamp_s for r in reqs]) / self.config.speed
+        arrivals -= arrivals[0] if len(arrivals) else 0.0
+        finish = arrivals + self._e2e
+        makespan = float(finish.max()) if len(finish) else 0.0
+        nb = self.config.load_buckets
+        bucket = makespan / nb if makespan > 0 else 1.0
+        series = []
+        for rank in self.ranks:
+            busy = np.zeros(nb)
+            for start, dur in rank.intervals:
+                end = start + dur
+                b = min(int(start / bucket), nb - 1)
+                while True:
+                    edge = (b + 1) * bucket if b < nb - 1 else math.inf
+                    busy[b] += min(end, edge) - max(start, b * bucket)
+                    if end <= edge:
+                        break
+                    b += 1
+            series.append((busy / bucket).tolist())
+        return PolicyRun(self.policy_name, prompt, self._cached.copy(), prompt - self._cached, self._ttft.copy(),
+                         self._e2e.copy(), self._rank_of.copy(), self._onboarded, self._migrated, self._migrations,
+                         [r.work_s for r in self.ranks], series, bucket, makespan, wall_s,
+                         int(sum(r.output_length for r in reqs)))
+
+
+def check_fits(trace: Trace, config: SimConfig) -> None:
+    """Raise ``ValueError`` if some request (prompt and output) needs more blocks than a rank holds."""
+    T = config.tokens_per_block
+    smallest = config.capacity_blocks // config.ranks
+    for i, req in enumerate(trace.requests):
+        need = -(-(req.input_length + req.output_length) // T)
+        if need > smallest:
+            raise ValueError(f"request {i} needs {need} blocks of {T} tokens (prompt {req.input_length} + "
+                             f"output {req.output_length}), more than a rank holds ({smallest}); "
+                             f"raise --capacity-blocks or lower --ranks")
+
+
+def simulate(trace: Trace, policy: str, config: SimConfig, progress: Callable[[int], None] | None = None,
+             chains: list[list[int]] | None = None, hasher: RouteHasher | None = None) -> PolicyRun:
+    """Replay ``trace`` under ``policy``; see ``Simulator``. ``chains`` and ``hasher`` may be shared by
+    replays of the same trace at the same block size (they only cache what the trace determines)."""
+    return Simulator(trace, policy, config, chains, hasher).run(progress)

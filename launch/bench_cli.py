@@ -1,0 +1,166 @@
+"""``kvledger bench``: the flags, and a call into ``launch.bench``; nothing else happens here.
+
+Wiring (``launch/cli.py``)::
+
+    from launch.bench_cli import add_bench_parser, run_bench
+    add_bench_parser(sub)                       # in _parser(), next to the other sub-commands
+    if args.command == "bench": return run_bench(args)   # in main()
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from launch.bench.simulator import SimCosts
+
+_COST_HELP = {
+    "prefill_tokens_per_s": "prompt tokens one rank computes per second",
+    "kv_bytes_per_token": "KV bytes per token (8B model: 32 layers x 8 KV heads x 128 x K,V x fp16 = 131072)",
+    "pcie_gbytes_per_s": "host-to-device GB/s, for onboarding blocks from the host tier",
+    "nvlink_gbytes_per_s": "rank-to-rank GB/s, for migrating blocks",
+    "migrate_setup_s": "fixed seconds per migration",
+    "decode_s_per_token": "seconds per decode step (each running request gets one token per step)",
+}
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``bench`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns its parser."""
+    p = subparsers.add_parser(
+        "bench", help="replay a request trace through the router and ledgers, every policy side by side",
+        description="Replay a Mooncake trace (or a synthetic one) through the real router (index, probe, policy) "
+                    "and one metadata-only ledger per rank, in simulated time; report hit rate against the "
+                    "infinite-cache and pooled-LRU bounds, TTFT, load balance and throughput per policy.")
+    p.add_argument("--trace", default="synthetic", metavar="FILE|synthetic",
+                   help="Mooncake JSONL file, or 'synthetic' (seeded multi-turn, multi-tenant chats; default)")
+    p.add_argument("--ranks", type=_positive_int, default=4, help="ranks, one ledger each (default 4)")
+    p.add_argument("--policy", default="all", metavar="NAME|all",
+                   help="routing policy, or 'all' to run every policy on the same trace (default all)")
+    p.add_argument("--capacity-blocks", type=_positive_int, default=None, metavar="M",
+                   help="device blocks of the whole cluster, split evenly (default: a quarter of the trace's "
+                        "unique blocks, at least two of its largest requests per rank)")
+    p.add_argument("--host-blocks", type=_nonneg_int, default=0, metavar="M",
+                   help="host-tier blocks of the whole cluster, for offload and onboarding (default 0)")
+    p.add_argument("--tokens-per-block", type=_positive_int, default=None, metavar="T",
+                   help="ledger block size (default: 512 for a Mooncake trace, 64 for synthetic)")
+    p.add_argument("--engine", default="sim", help="sim (simulated time, metadata-only ledgers); "
+                                                   "tiny needs the local cluster and is not available yet")
+    p.add_argument("--speed", type=_positive_float, default=1.0, metavar="X",
+                   help="replay X times faster than the trace's timestamps (default 1)")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="K",
+                   help="first K requests only (synthetic: how many to generate, default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace and of the policies' "
+                                                       "tie-breaking (default 0)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write every figure to this JSON file")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG: hit rate and TTFT per policy, "
+                                                                   "per-rank load over time")
+    p.add_argument("--jobs", type=_nonneg_int, default=0,
+                   help="processes replaying policies in parallel (default: one per CPU core)")
+    p.add_argument("--partial-reuse", action="store_true",
+                   help="let ledgers reuse partly matching blocks (off: block granularity, like the bounds)")
+    p.add_argument("--no-migration", action="store_true", help="never let the kv policy migrate a prefix")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    defaults = SimCosts()
+    for f in fields(SimCosts):
+        p.add_argument("--" + f.name.replace("_", "-"), type=float, default=getattr(defaults, f.name),
+                       metavar="X", help=f"{_COST_HELP[f.name]} (default {getattr(defaults, f.name):g})")
+    return p
+
+
+def _costs(args: argparse.Namespace) -> SimCosts:
+    values = {}
+    for f in fields(SimCosts):
+        v = getattr(args, f.name)
+        values[f.name] = int(v) if f.name == "kv_bytes_per_token" and float(v).is_integer() else v
+    return SimCosts(**values)
+
+
+def _check_outputs(json_path: str | None, plot_path: str | None) -> None:
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None:
+            parent = Path(path).resolve().parent
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: directory {str(parent)!r} does not exist")
+    if plot_path is not None and not plot_path.lower().endswith(".png"):
+        raise ValueError(f"--plot {plot_path}: the plot is a PNG; name it *.png")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the bench from parsed flags; prints the table; 0 on success, 2 on bad input (message on stderr)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from launch.bench import report
+    from launch.bench.runner import BenchConfig, run
+
+    err = Console(stderr=True)
+    try:
+        config = BenchConfig(trace=args.trace, ranks=args.ranks, policy=args.policy,
+                             capacity_blocks=args.capacity_blocks, host_blocks=args.host_blocks,
+                             tokens_per_block=args.tokens_per_block, engine=args.engine, speed=args.speed,
+                             limit=args.limit, seed=args.seed, partial_reuse=args.partial_reuse,
+                             migration=not args.no_migration, jobs=args.jobs, costs=_costs(args))
+        _check_outputs(args.json, args.plot)
+    except ValueError as e:
+        print(f"kvledger bench: error: {e}", file=sys.stderr)
+        return 2
+    progress = Progress(TextColumn("{task.description:>14}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err, disable=args.quiet, transient=False)
+    tasks: dict[str, int] = {}
+
+    def on_trace(trace, policies):  # type: ignore[no-untyped-def]
+        for p in policies:
+            tasks[p] = progress.add_task(p, total=len(trace.requests))
+
+    try:
+        with progress:
+            result = run(config, progress=lambda p, k: progress.advance(tasks[p], k), on_trace=on_trace)
+    except ValueError as e:
+        print(f"kvledger bench: error: {e}", file=sys.stderr)
+        return 2
+    sim = result.sim
+    title = (f"{result.trace.name}: {len(result.trace.requests)} requests, {sim.ranks} ranks, "
+             f"{sim.capacity_blocks} blocks of {sim.tokens_per_block} tokens, speed {sim.speed:g}")
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=160)
+    out.print(report.render_table(result.bounds, result.summaries, title))
+    print(f"replayed in {result.wall_s:.1f} s wall")
+    if args.json:
+        report.write_json(args.json, report.to_json(result.meta(), result.bounds, result.summaries))
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot, result.bounds, result.summaries, result.runs, title)
+        print(f"wrote {args.plot}")
+    return 0

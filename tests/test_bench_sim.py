@@ -1,0 +1,244 @@
+"""``kvledger bench --engine sim``: the replay through the real router and ledgers, its bounds, its outputs."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch.bench.bounds import compute_bounds, infinite_cached_tokens, pooled_lru_cached_tokens
+from launch.bench.runner import BenchConfig, run
+from launch.bench.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
+from launch.bench.trace import (BlockChains, SyntheticConfig, TraceRequest, expand_tokens,
+                                generate_synthetic, load_mooncake, request_tokens, write_trace)
+from launch.bench_cli import add_bench_parser, run_bench
+from router.policies import policy_names
+from router.probe import prompt_hashes
+
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+TPB = 32
+SMALL = dict(trace="synthetic", ranks=4, tokens_per_block=TPB, limit=300, capacity_blocks=1600, seed=0)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvledger")
+    add_bench_parser(p.add_subparsers(dest="command", required=True))
+    return p.parse_args(["bench", *argv])
+
+
+@pytest.fixture(scope="module")
+def result():
+    """Every policy on one small synthetic trace, in two processes (the parallel path)."""
+    return run(BenchConfig(policy="all", jobs=2, **SMALL))
+
+
+# --- the replay -----------------------------------------------------------------------------------
+
+def test_every_policy_runs_every_request(result):
+    assert list(result.runs) == policy_names()
+    n = len(result.trace.requests)
+    for name, run_ in result.runs.items():
+        assert len(run_.ttft_s) == n, name
+        assert (run_.ttft_s > 0).all(), f"{name}: a request never got its first token"
+        assert (run_.e2e_s >= run_.ttft_s).all(), name
+        assert result.summaries[name].requests == n
+
+
+def test_cached_plus_computed_is_the_prompt_for_every_request(result):
+    prompt = np.array([r.input_length for r in result.trace.requests])
+    for name, run_ in result.runs.items():
+        assert (run_.cached_tokens + run_.computed_tokens == prompt).all(), name
+        assert (run_.cached_tokens >= 0).all() and (run_.cached_tokens < prompt).all(), name
+        assert (run_.cached_tokens % TPB == 0).all(), f"{name}: block granularity (partial reuse is off)"
+
+
+def test_hit_rate_never_above_the_infinite_cache_bound(result):
+    b = result.bounds
+    assert 0 < b.pooled_lru_hit_rate <= b.infinite_hit_rate < 1
+    for name, s in result.summaries.items():
+        assert s.hit_rate <= b.infinite_hit_rate + 1e-12, name
+        assert s.cached_tokens + s.computed_tokens == s.prompt_tokens == b.prompt_tokens
+
+
+def test_kv_beats_round_robin_on_hit_rate(result):
+    s = result.summaries
+    assert s["kv"].hit_rate > s["round_robin"].hit_rate
+
+
+def test_load_figures_are_consistent(result):
+    for name, s in result.summaries.items():
+        assert s.load_imbalance >= 1.0 - 1e-9, name
+        assert sum(s.requests_per_rank) == s.requests
+        assert math.isclose(max(s.work_per_rank_s) / (sum(s.work_per_rank_s) / len(s.work_per_rank_s)),
+                            s.load_imbalance, rel_tol=1e-3)
+        assert s.throughput_rps > 0 and s.ttft_p50_s <= s.ttft_p90_s <= s.ttft_p99_s
+    assert result.summaries["round_robin"].requests_per_rank == [75, 75, 75, 75]
+    assert all(s.migrated_blocks == 0 for n, s in result.summaries.items() if n != "kv")
+
+
+def test_parallel_and_sequential_replays_agree(result):
+    trace, sim = result.trace, result.sim
+    again = simulate(trace, "kv", sim)
+    first = result.runs["kv"]
+    assert (again.cached_tokens == first.cached_tokens).all()
+    assert np.allclose(again.ttft_s, first.ttft_s)
+    assert again.migrated_blocks == first.migrated_blocks
+
+
+def test_requests_wait_for_blocks_and_are_never_lost():
+    """Capacity for barely more than one request per rank: the queues wait, everything is served."""
+    trace = generate_synthetic(SyntheticConfig(requests=60, block_size=16, seed=3))
+    need = max(-(-(r.input_length + r.output_length) // 16) for r in trace.requests)
+    sim = SimConfig(ranks=2, capacity_blocks=2 * need, tokens_per_block=16)
+    roomy = SimConfig(ranks=2, capacity_blocks=200 * need, tokens_per_block=16)
+    tight, loose = simulate(trace, "round_robin", sim), simulate(trace, "round_robin", roomy)
+    assert len(tight.ttft_s) == 60 and (tight.ttft_s > 0).all()
+    assert tight.ttft_s.mean() > loose.ttft_s.mean()
+    with pytest.raises(ValueError, match="more than a rank holds"):
+        check_fits(trace, SimConfig(ranks=2, capacity_blocks=2 * need - 2, tokens_per_block=16))
+
+
+def test_kv_migrates_prefixes_and_the_ledgers_stay_balanced():
+    """Prefill is the bottleneck (fast decode, slow prefill): kv pulls hot prefixes to idle ranks."""
+    trace = generate_synthetic(SyntheticConfig(requests=200, block_size=16, seed=1, conversations_per_s=4.0))
+    sim = SimConfig(ranks=4, capacity_blocks=4000, tokens_per_block=16,
+                    costs=SimCosts(prefill_tokens_per_s=5_000.0, decode_s_per_token=0.001))
+    on = simulate(trace, "kv", sim)   # run() checks every ledger's integrity and the index at the end
+    assert on.migrated_blocks > 0 and on.migrations > 0
+    off = simulate(trace, "kv", dataclasses.replace(sim, migration=False))
+    assert off.migrated_blocks == 0
+
+
+# --- hashing, identities, bounds ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("tpb", [16, 24, 64, 100])
+def test_route_hashes_are_the_routers_prompt_hashes(tpb):
+    trace = generate_synthetic(SyntheticConfig(requests=40, block_size=64, seed=5))
+    chains = BlockChains(trace.block_size, tpb)
+    hasher = RouteHasher(tpb)
+    for req in trace.requests:
+        tokens = request_tokens(trace, req)
+        want = prompt_hashes(tokens, tpb, lora_id=req.lora_id, cache_salt=req.cache_salt)
+        assert list(hasher.hashes(req, tokens, chains.chain(req))) == want
+
+
+def test_block_identities_follow_content_prefix_and_tenant():
+    a = TraceRequest(0.0, 100, 1, (7, 8, 9, 10))           # block size 32: 4 ids, last cut to 4 tokens
+    b = TraceRequest(0.0, 128, 1, (7, 8, 9, 10))           # same ids, last block full
+    c = TraceRequest(0.0, 128, 1, (7, 8, 9, 10), cache_salt="other")
+    d = TraceRequest(0.0, 128, 1, (7, 8, 99, 10))
+    chains = BlockChains(32, 16)
+    ca, cb, cc, cd = (chains.chain(r) for r in (a, b, c, d))
+    assert len(ca) == 100 // 16 and cb[:len(ca)] == ca
+    assert not set(cc) & set(cb), "a cache salt never shares blocks"
+    assert cd[:4] == cb[:4] and not set(cd[4:]) & set(cb[4:]), "a different block changes every block after it"
+    ta, tb = expand_tokens(a.hash_ids, 100, 32), expand_tokens(b.hash_ids, 128, 32)
+    assert len(ta) == 100 and tb[:100] == ta, "a cut block is a prefix of the same id's full block"
+    assert expand_tokens((7,), 32, 32) == tb[:32]
+
+
+def test_bounds_by_hand():
+    # blocks of 1 token; prompts of n tokens reuse at most n-1
+    chains = [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3]]
+    lengths = [3, 3, 1, 3]
+    assert infinite_cached_tokens(chains, lengths, 1) == 0 + 2 + 0 + 2
+    assert pooled_lru_cached_tokens(chains, lengths, 1, capacity_blocks=3) == 0 + 2 + 0 + 2
+    # capacity 2: after request 2 the LRU holds [1, 2]; [5] evicts 2 (the tail went in first)
+    assert pooled_lru_cached_tokens(chains, lengths, 1, capacity_blocks=2) == 0 + 2 + 0 + 1
+    b = compute_bounds(chains, lengths, 1, 2)
+    assert b.infinite_hit_rate == 4 / 10 and b.pooled_lru_hit_rate == 3 / 10
+
+
+# --- the trace loader -------------------------------------------------------------------------------
+
+def test_loader_rejects_bad_lines_naming_them(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+                 '{"timestamp": 5, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: 1 hash_ids for input_length 600"):
+        load_mooncake(p)
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1], "cache_salt": 3}\n')
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        load_mooncake(p)
+    p.write_text("not json\n")
+    with pytest.raises(ValueError, match="t.jsonl:1: not JSON"):
+        load_mooncake(p)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_mooncake(tmp_path / "missing.jsonl")
+
+
+def test_written_synthetic_trace_reloads_with_salts_and_loras(tmp_path):
+    trace = generate_synthetic(SyntheticConfig(requests=50, block_size=512, seed=2))
+    write_trace(trace, tmp_path / "s.jsonl")
+    again = load_mooncake(tmp_path / "s.jsonl")
+    assert [(r.hash_ids, r.cache_salt, r.lora_id, r.input_length) for r in again.requests] == \
+        [(r.hash_ids, r.cache_salt, r.lora_id, r.input_length) for r in trace.requests]
+    assert {r.cache_salt for r in trace.requests} >= {"tenant-0", "tenant-1"}
+    assert any(r.lora_id is not None for r in trace.requests)
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+def test_cli_writes_json_and_png(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = run_bench(parse("--trace", "synthetic", "--limit", "120", "--tokens-per-block", "32", "--ranks", "2",
+                         "--capacity-blocks", "800", "--policy", "all", "--jobs", "1", "--quiet",
+                         "--json", str(out), "--plot", str(png)))
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["ranks"] == 2 and doc["trace"].startswith("synthetic")
+    assert set(doc["bounds"]) >= {"infinite_hit_rate", "pooled_lru_hit_rate"}
+    assert list(doc["policies"]) == policy_names()
+    keys = {"hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_mean_s", "load_imbalance",
+            "throughput_rps", "onboarded_blocks", "migrated_blocks", "requests"}
+    for name, p in doc["policies"].items():
+        assert keys <= set(p), name
+        assert p["requests"] == 120
+        assert p["hit_rate"] <= doc["bounds"]["infinite_hit_rate"] + 1e-12
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    text = capsys.readouterr().out
+    assert "round_robin" in text and "pooled LRU" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--engine", "tiny"), "needs|not built"),
+    (("--policy", "nope"), "unknown policy 'nope'"),
+    (("--trace", "/nonexistent/trace.jsonl"), "does not exist"),
+    (("--plot", "/nonexistent/dir/x.png"), "does not exist"),
+    (("--plot", "x.svg"), "PNG"),
+    (("--capacity-blocks", "3", "--ranks", "4"), "capacity_blocks must be an int >= ranks"),
+    (("--decode-s-per-token", "-1"), "decode_s_per_token"),
+])
+def test_cli_rejects_bad_input_clearly(tmp_path, capsys, argv, message):
+    rc = run_bench(parse("--limit", "20", "--quiet", "--json", str(tmp_path / "x.json"), *argv))
+    assert rc == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_cli_parser_rejects_malformed_numbers():
+    with pytest.raises(SystemExit):
+        parse("--ranks", "0")
+    with pytest.raises(SystemExit):
+        parse("--speed", "fast")
+
+
+@pytest.mark.skipif(not MOONCAKE.is_file(), reason="the Mooncake trace is not checked out next to the repo")
+def test_mooncake_replays_at_its_block_size():
+    result = run(BenchConfig(trace=str(MOONCAKE), ranks=2, policy="kv", limit=150, capacity_blocks=2000, jobs=1))
+    assert result.sim.tokens_per_block == 512
+    s = result.summaries["kv"]
+    assert s.requests == 150 and 0 < s.hit_rate <= result.bounds.infinite_hit_rate
+
+
+def test_default_capacity_fits_every_request():
+    result = run(BenchConfig(trace="synthetic", limit=60, policy="kv", jobs=1))
+    largest = max(-(-(r.input_length + r.output_length) // 64) for r in result.trace.requests)
+    assert result.sim.tokens_per_block == 64
+    assert result.sim.capacity_blocks >= max(result.unique_blocks // 4, 2 * largest * 4)
+    assert result.summaries["kv"].requests == 60

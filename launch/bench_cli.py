@@ -68,10 +68,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--policy", default="all", metavar="NAME|all",
                    help="routing policy, or 'all' to run every policy on the same trace (default all)")
     p.add_argument("--capacity-blocks", type=_positive_int, default=None, metavar="M",
-                   help="device blocks of the whole cluster, split evenly (default: a quarter of the trace's "
-                        "unique blocks, at least two of its largest requests per rank)")
+                   help="device blocks per rank (default: the ranks together hold a quarter of the trace's "
+                        "unique blocks, at least two of its largest requests each)")
     p.add_argument("--host-blocks", type=_nonneg_int, default=0, metavar="M",
-                   help="host-tier blocks of the whole cluster, for offload and onboarding (default 0)")
+                   help="host-tier blocks per rank, for offload and onboarding (default 0)")
     p.add_argument("--tokens-per-block", type=_positive_int, default=None, metavar="T",
                    help="ledger block size (default: 512 for a Mooncake trace, 64 for synthetic)")
     p.add_argument("--engine", default="sim", help="sim (simulated time, metadata-only ledgers); "
@@ -127,7 +127,9 @@ def run_bench(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         config = BenchConfig(trace=args.trace, ranks=args.ranks, policy=args.policy,
-                             capacity_blocks=args.capacity_blocks, host_blocks=args.host_blocks,
+                             capacity_blocks=None if args.capacity_blocks is None
+                             else args.capacity_blocks * args.ranks,
+                             host_blocks=args.host_blocks * args.ranks,
                              tokens_per_block=args.tokens_per_block, engine=args.engine, speed=args.speed,
                              limit=args.limit, seed=args.seed, partial_reuse=args.partial_reuse,
                              migration=not args.no_migration, jobs=args.jobs, costs=_costs(args))

@@ -187,7 +187,7 @@ def test_written_synthetic_trace_reloads_with_salts_and_loras(tmp_path):
 def test_cli_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = run_bench(parse("--trace", "synthetic", "--limit", "120", "--tokens-per-block", "32", "--ranks", "2",
-                         "--capacity-blocks", "800", "--policy", "all", "--jobs", "1", "--quiet",
+                         "--capacity-blocks", "400", "--policy", "all", "--jobs", "1", "--quiet",
                          "--json", str(out), "--plot", str(png)))
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -211,7 +211,7 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     (("--trace", "/nonexistent/trace.jsonl"), "does not exist"),
     (("--plot", "/nonexistent/dir/x.png"), "does not exist"),
     (("--plot", "x.svg"), "PNG"),
-    (("--capacity-blocks", "3", "--ranks", "4"), "capacity_blocks must be an int >= ranks"),
+    (("--capacity-blocks", "1", "--ranks", "4"), "raise --capacity-blocks"),
     (("--decode-s-per-token", "-1"), "decode_s_per_token"),
 ])
 def test_cli_rejects_bad_input_clearly(tmp_path, capsys, argv, message):

@@ -10,7 +10,6 @@ so a read of any position that was never written would poison the logits.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -243,22 +242,6 @@ def test_bad_batches_are_rejected_before_anything_is_written() -> None:
         model.forward(torch.zeros(8, 3), bt, [[1]], [0])
     with pytest.raises(ValueError, match="even head_dim"):
         TinyDecoder(CacheConfig(head_dim=5, device="cpu", num_primary_blocks=1))
-
-
-def test_long_prefill_is_fast_enough() -> None:
-    """A 2,048-token prefill at the default geometry stays under a second on CPU (best of 3: the box is shared)."""
-    cfg = CacheConfig(tokens_per_block=16, device="cpu", num_primary_blocks=128)
-    model = TinyDecoder(cfg)
-    pool = torch.zeros((128, *cfg.block_shape), dtype=cfg.dtype)
-    bt = torch.arange(128, dtype=torch.int32)[None]
-    toks = prompt(2048, seed=0)
-    model.forward(pool, bt, [toks[:64]], [0])  # warm-up
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        model.forward(pool, bt, [toks], [0])
-        best = min(best, time.perf_counter() - t0)
-    assert best < 1.0, f"2,048-token prefill took {best:.2f} s"
 
 
 # --- tokenizer -------------------------------------------------------------------------------------------

@@ -289,6 +289,40 @@ class KVCacheManager:
         self._release(seq.blocks)
         return []
 
+    def pin_prefix(self, pin_id: int, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
+                   mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None,
+                   max_blocks: int | None = None) -> list[int]:
+        """Hold the stored full blocks that match ``tokens`` (at most ``max_blocks``) until ``unpin_sequence(pin_id)``.
+
+        For reading them out (a migration to another rank): host-tier blocks are
+        onboarded first, so the returned primary pool slots, in prompt order,
+        stay valid and unchanged while pinned. Matches as ``probe_prefix_match_length``
+        does. Raises ``OutOfBlocksError`` (changing nothing) when onboarding does not fit.
+        """
+        if not isinstance(pin_id, int) or isinstance(pin_id, bool):
+            raise TypeError(f"pin_prefix: pin_id must be an int, got {pin_id!r}")
+        if pin_id in self._seqs or pin_id in self._pinned:
+            raise ValueError(f"pin_prefix: id {pin_id} is already in the ledger")
+        if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 0):
+            raise ValueError(f"pin_prefix: max_blocks must be None or an int >= 0, got {max_blocks!r}")
+        validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
+        self.refresh_blocks()
+        full = self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids).full if tokens else []
+        if max_blocks is not None:
+            full = full[:max_blocks]
+        onboards = [b for b in full if b.tier == SECONDARY]
+        free_claimed = sum(1 for b in full if b.tier == PRIMARY and b.ref_count == 0)
+        if len(onboards) > self._evict.num_free(PRIMARY) - free_claimed:
+            raise OutOfBlocksError(len(onboards), self._evict.num_free(PRIMARY) - free_claimed,
+                                   f"pinning {len(full)} blocks as {pin_id}")
+        for b in full:
+            self._ref(b)
+        for b in onboards:
+            self._onboard(b)
+        self.pools.flush()
+        self._pinned[pin_id] = full
+        return [b.slot for b in full]
+
     def unpin_sequence(self, request_id: int) -> None:
         blocks = self._pinned.pop(request_id, None)
         if blocks is None:

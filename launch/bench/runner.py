@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from launch.bench.bounds import Bounds, compute_bounds
 from launch.bench.report import PolicySummary, summarize
 from launch.bench.simulator import PolicyRun, RouteHasher, SimConfig, SimCosts, check_fits, simulate
+from launch.bench.tiny import TinyOptions
 from launch.bench.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, generate_synthetic,
                                 load_mooncake)
 from router.policies import policy_names
@@ -48,13 +49,15 @@ class BenchConfig:
     jobs: int = 0
     """Processes replaying policies side by side; 0 = min(policies, CPU cores)."""
     costs: SimCosts = field(default_factory=SimCosts)
+    tiny: TinyOptions = field(default_factory=TinyOptions)
+    """Prompt and output caps and client concurrency of ``engine="tiny"`` (``launch/bench/tiny.py``)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "tiny":
-            raise ValueError("--engine tiny replays through a real local cluster over HTTP (kvledger up), "
-                             "which is not built yet; use --engine sim")
+        if self.engine == "tiny" and not self.migration:
+            raise ValueError("--no-migration is not available with --engine tiny: the router actor's kv policy "
+                             "runs with its default cost model")
         if self.policy != "all" and self.policy not in policy_names():
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {policy_names()} or 'all'")
         if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
@@ -78,15 +81,22 @@ class BenchResult:
     summaries: dict[str, PolicySummary]
     wall_s: float
     unique_blocks: int
+    engine: str = "sim"
+    extra: dict[str, object] = field(default_factory=dict)
+    """More fields for the JSON (the tiny engine's caps and per-policy failures, lags, start-up times)."""
 
     def meta(self) -> dict[str, object]:
         s = self.sim
-        return {"trace": self.trace.name, "ranks": s.ranks, "engine": "sim", "requests": len(self.trace.requests),
-                "capacity_blocks": s.capacity_blocks, "host_blocks": s.host_blocks,
-                "tokens_per_block": s.tokens_per_block, "speed": s.speed, "seed": s.seed,
-                "partial_reuse": s.partial_reuse, "migration": s.migration, "unique_blocks": self.unique_blocks,
-                "costs": {f: getattr(s.costs, f) for f in s.costs.__dataclass_fields__},
-                "wall_s": round(self.wall_s, 3)}
+        out: dict[str, object] = {
+            "trace": self.trace.name, "ranks": s.ranks, "engine": self.engine, "requests": len(self.trace.requests),
+            "capacity_blocks": s.capacity_blocks, "host_blocks": s.host_blocks,
+            "tokens_per_block": s.tokens_per_block, "speed": s.speed, "seed": s.seed,
+            "partial_reuse": s.partial_reuse, "migration": s.migration, "unique_blocks": self.unique_blocks}
+        if self.engine == "sim":
+            out["costs"] = {f: getattr(s.costs, f) for f in s.costs.__dataclass_fields__}
+        out.update(self.extra)
+        out["wall_s"] = round(self.wall_s, 3)
+        return out
 
 
 def load_trace(config: BenchConfig) -> tuple[Trace, int]:
@@ -156,7 +166,11 @@ def replay_all(trace: Trace, sim: SimConfig, policies: list[str], chains: list[l
 def run(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
         on_trace: Callable[[Trace, list[str]], None] | None = None) -> BenchResult:
     """Load, bound, replay, summarise. ``on_trace`` is told the trace and policies before replay starts
-    (the CLI opens its progress bars there)."""
+    (the CLI opens its progress bars there). ``engine="tiny"`` replays over HTTP through a real local cluster
+    instead (``launch.bench.tiny.run_tiny``)."""
+    if config.engine == "tiny":
+        from launch.bench.tiny import run_tiny
+        return run_tiny(config, progress, on_trace)
     wall0 = time.perf_counter()
     trace, tpb = load_trace(config)
     chains_of = BlockChains(trace.block_size, tpb)

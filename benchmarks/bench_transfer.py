@@ -1,0 +1,229 @@
+"""KV transfer speed: tier copies (offload/onboard) and migrations between ranks, each against its baseline.
+
+(a) Offload and onboard of N blocks between the device and host tiers, driven
+    through the ledger (``KVCacheManager`` admissions that evict to, and
+    onboard from, the host tier), against one plain ``copy_`` of a contiguous
+    tensor of the same bytes, in the same run. Goal: >= 0.8 of it. The ratio
+    times the tier copies (the pools' ``flush``, where planned copies run);
+    "with the books" times the whole admission (allocation, tree, events too).
+(b) Migration of N blocks from rank 0 to rank 1 (two rank actors on a local
+    Ray, gloo on CPUs, NCCL on GPUs): the transfer as ``Migrator.migrate``
+    times it (send/recv, gather/scatter where the slots are not one run, the
+    target storing the blocks), against one ``send``/``recv`` of a contiguous
+    tensor of the same bytes between the same two actors, dispatched the same
+    way, in the same run. Goal: >= 0.7 of it. The end-to-end time (with the
+    pin and allocate round trips) is printed too.
+
+    python benchmarks/bench_transfer.py [--blocks 64 512] [--reps 5] [--device auto] [--skip-migration]
+
+Block geometry: 16 tokens x 8 layers x 4 KV heads x 64 dims, float16 (128 KiB
+a block). The source blocks' contents are written directly (not computed by the
+engine): only their bytes matter here.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import coordinator  # noqa: F401  (before ray)
+import torch
+
+from worker import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
+
+T = 16
+GEOMETRY = dict(tokens_per_block=T, num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float16)
+
+
+def cache_config(device: str, primary: int, secondary: int) -> CacheConfig:
+    return CacheConfig(**GEOMETRY, device=device, num_primary_blocks=primary, num_secondary_blocks=secondary)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+_SCRATCH = torch.empty(0)
+
+
+def _cold_caches() -> None:
+    """Stream 128 MiB through the CPU caches so neither side of a comparison starts with hot data."""
+    global _SCRATCH
+    if _SCRATCH.numel() == 0:
+        _SCRATCH = torch.empty(64 << 20, dtype=torch.float16)
+    _SCRATCH.fill_(2.0)
+
+
+def plain_copy_seconds(nbytes: int, device: torch.device, to_host: bool) -> float:
+    """One ``copy_`` of a contiguous tensor of ``nbytes`` between the tiers' memories (pre-touched, cold caches)."""
+    from worker.device import host_pin_memory
+    n = nbytes // 2
+    dev = torch.ones(n, dtype=torch.float16, device=device)
+    host = torch.ones(n, dtype=torch.float16, pin_memory=host_pin_memory())
+    src, dst = (dev, host) if to_host else (host, dev)
+    _cold_caches()
+    _sync(device)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+class _TimedFlush:
+    """Wraps a pool's ``flush`` (where planned tier copies run) and adds up its time."""
+
+    def __init__(self, pools) -> None:
+        self.inner, self.seconds = pools.flush, 0.0
+        self.device = pools.device
+        pools.flush = self
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        self.inner()
+        _sync(self.device)
+        self.seconds += time.perf_counter() - t0
+
+
+def tier_seconds(n: int, device: str) -> dict[str, float]:
+    """Offload and onboard of ``n`` blocks through the ledger: copy time, ledger (books + copies) time, copies."""
+    mgr = KVCacheManager(cache_config(device, primary=2 * n + 2, secondary=n + 1))
+    mgr.pools.primary.fill_(1.0)  # touch every page before timing
+    mgr.pools.secondary.fill_(1.0)
+    keep = list(range(n * T + 1))
+    mgr.add_sequence(Request(1, [t % 256 for t in keep]))
+    mgr.store_context_blocks(1)
+    mgr.remove_sequence(1)  # n stored blocks (priority 35: offloaded, not dropped, when evicted)
+    cheap = RetentionConfig(ranges=[TokenRange(0, None, priority=0)], decode_priority=0)
+    filler = [256 + (i % 200) for i in range((2 * n + 2) * T)]
+    dev = mgr.pools.device
+    timer = _TimedFlush(mgr.pools)
+    c0 = mgr.pools.copies_issued
+    _cold_caches()
+    t0 = time.perf_counter()
+    mgr.add_sequence(Request(2, filler, retention=cheap))  # needs every device block: offloads the n stored ones
+    _sync(dev)
+    out = {"offload_ledger": time.perf_counter() - t0, "offload_copy": timer.seconds,
+           "offload_copies": mgr.pools.copies_issued - c0}
+    assert mgr.stats().offloaded_blocks == n, mgr.stats()
+    mgr.remove_sequence(2)  # its blocks (priority 0) are dropped, not offloaded, when evicted
+    timer.seconds, c0 = 0.0, mgr.pools.copies_issued
+    _cold_caches()
+    t0 = time.perf_counter()
+    mgr.add_sequence(Request(3, [t % 256 for t in keep]))  # onboards the n blocks
+    _sync(dev)
+    out.update(onboard_ledger=time.perf_counter() - t0, onboard_copy=timer.seconds,
+               onboard_copies=mgr.pools.copies_issued - c0)
+    assert mgr.admission(3).onboarded_blocks == n, mgr.admission(3)
+    mgr.remove_sequence(3)
+    mgr.check_integrity()
+    return out
+
+
+def bench_tiers(blocks: list[int], reps: int, device: str) -> None:
+    bpb = cache_config(device, 1, 0).bytes_per_block
+    dev = KVCacheManager(cache_config(device, 1, 0)).pools.device
+    print(f"(a) tier copies through the ledger, {bpb // 1024} KiB blocks, device {dev}, median of {reps}")
+    for n in blocks:
+        nbytes = n * bpb
+        runs = [tier_seconds(n, device) for _ in range(reps)]
+        base = {"offload": [plain_copy_seconds(nbytes, dev, to_host=True) for _ in range(reps)],
+                "onboard": [plain_copy_seconds(nbytes, dev, to_host=False) for _ in range(reps)]}
+        for name in ("offload", "onboard"):
+            base_gbs = nbytes / statistics.median(base[name]) / 1e9
+            copy_gbs = nbytes / statistics.median(r[f"{name}_copy"] for r in runs) / 1e9
+            ledger_gbs = nbytes / statistics.median(r[f"{name}_ledger"] for r in runs) / 1e9
+            print(f"  {name} {n:>4} blocks ({nbytes / 2**20:5.1f} MiB): tier copy {copy_gbs:6.2f} GB/s "
+                  f"({runs[0][f'{name}_copies']} slice copies), with the books {ledger_gbs:6.2f} GB/s; "
+                  f"plain copy_ {base_gbs:6.2f} GB/s; ratio {copy_gbs / base_gbs:.2f} (goal >= 0.8), "
+                  f"with the books {ledger_gbs / base_gbs:.2f}")
+
+
+def _fill_prefix(rank, tokens: list[int], rid: int) -> int:
+    """Run on a rank actor (``__ray_call__``): store ``tokens``' full blocks with written (not computed) KV."""
+    with rank._lock:
+        mgr = rank.manager
+        mgr.add_sequence(Request(rid, tokens))
+        slots = [mgr.blocks[b].slot for b in mgr.get_block_ids(rid)]
+        mgr.pools.primary[slots] = 1.0
+        mgr.store_context_blocks(rid)
+        mgr.remove_sequence(rid)
+        return len(slots)
+
+
+def _clear(rank) -> None:
+    with rank._lock:
+        rank.manager.clear()
+        rank.manager.take_events()
+
+
+def bench_migration(blocks: list[int], reps: int, device: str) -> None:
+    import ray
+
+    from coordinator.cluster import Cluster
+    from coordinator.config import ClusterConfig
+    from coordinator.migration import Migrator
+    from coordinator.ray_env import init_ray
+
+    init_ray(num_cpus=2, log_to_driver=False)
+    need = max(blocks) + 2
+    bpb = cache_config("cpu", 1, 0).bytes_per_block
+    cache = CacheConfig(**GEOMETRY, device="auto", primary_bytes=need * bpb, num_secondary_blocks=0)
+    cluster = Cluster.start(ClusterConfig(num_ranks=2, device=device, cache=cache, num_cpus_per_rank=0.5,
+                                          gpu_memory_fraction=None,
+                                          call_timeout_s=300, group_timeout_s=120))
+    try:
+        a, b = cluster.actors
+        mig = Migrator(cluster)
+        print(f"(b) migration rank 0 -> rank 1 ({cluster.device}, "
+              f"{'nccl' if cluster.device == 'cuda' else 'gloo'}), {bpb // 1024} KiB blocks, median of {reps}")
+        for n in blocks:
+            tokens = [i % 256 for i in range(n * T + 1)]
+            ray.get(a.__ray_call__.remote(_fill_prefix, tokens, 10**9), timeout=300)
+            xfer, e2e, base = [], [], []
+            for rep in range(reps + 1):  # the first round warms the pair's connection up
+                ray.get(b.__ray_call__.remote(_clear), timeout=300)
+                t0 = time.perf_counter()
+                m = mig.migrate(tokens, src=0, dst=1)
+                total = time.perf_counter() - t0
+                assert m.sent_blocks == n and m.bytes == n * bpb, m
+                t0 = time.perf_counter()
+                refs = [a.send_tensor.remote(n * bpb // 2, 1), b.recv_tensor.remote(n * bpb // 2, 0)]
+                ray.get(refs, timeout=300)
+                plain = time.perf_counter() - t0
+                if rep:
+                    xfer.append(m.seconds)
+                    e2e.append(total)
+                    base.append(plain)
+            nbytes = n * bpb
+            gbs = nbytes / statistics.median(xfer) / 1e9
+            e2e_gbs = nbytes / statistics.median(e2e) / 1e9
+            base_gbs = nbytes / statistics.median(base) / 1e9
+            print(f"  migrate {n:>4} blocks ({nbytes / 2**20:6.1f} MiB): {gbs:6.2f} GB/s "
+                  f"(end to end {e2e_gbs:5.2f}); plain send/recv {base_gbs:6.2f} GB/s; "
+                  f"ratio {gbs / base_gbs:.2f} (goal >= 0.7), end to end {e2e_gbs / base_gbs:.2f}")
+            ray.get(a.__ray_call__.remote(_clear), timeout=300)
+        st = ray.get(a.stats.remote(), timeout=60)["transfers"], ray.get(b.stats.remote(), timeout=60)["transfers"]
+        print(f"  transfers: rank 0 {st[0]}, rank 1 {st[1]}")
+    finally:
+        cluster.shutdown()
+        ray.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--skip-migration", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in this process (0: default)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench_tiers(args.blocks, args.reps, args.device)
+    if not args.skip_migration:
+        bench_migration(args.blocks, args.reps, args.device)
+
+
+if __name__ == "__main__":
+    main()

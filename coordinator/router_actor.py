@@ -1,0 +1,157 @@
+"""The router actor: a ``RouterService`` over the cluster's ranks, serving the HTTP API from its own process.
+
+Events travel by push. Each rank actor runs a publisher thread that drains its
+ledger every ``push_interval_s`` (5 ms) and, only when something happened,
+calls ``ingest`` on this actor, fire-and-forget. Pushing costs nothing while
+the cluster is idle (a router pulling would make one call per rank per
+interval, events or not), and the rank, which knows when it has events, sets
+the pace. A batch that arrives out of order or gets lost shows as a gap in the
+numbering, which the service closes by asking that rank for a replay.
+Besides, a request the router sends is served with ``serve_published``: the
+rank publishes the events that request caused before it lets go of its ledger
+and returns them with the result, so a completion's blocks are in the index
+when the HTTP answer leaves (the next request sharing its prefix is routed on
+them), without waiting behind whatever the rank serves next.
+
+The actor is sequential (``max_concurrency=1``): Ray runs one caller's calls
+in order, so each rank's pushes arrive in order. The HTTP server runs on its
+own thread in the same process, and a maintenance thread every
+``health_interval_s`` checks the ranks, re-attaches the publisher of a rank
+that restarted, snapshots ranks the index does not know, and refreshes loads.
+``RouterHost`` is the plain class; ``router_actor_class()`` wraps it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from coordinator.cluster import Cluster
+from coordinator.config import ClusterConfig
+from coordinator.ray_backend import RayBackend
+from router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
+from router.service import RouterConfig, RouterService, parse_vllm_endpoint
+
+logger = logging.getLogger(__name__)
+
+ROUTER_NAME = "kvledger-router"
+
+
+@dataclass
+class RouterActorConfig:
+    """Where the router listens and how it keeps up with the ranks; ``kvledger up`` builds flags from these."""
+
+    host: str = DEFAULT_HOST
+    """Interface of the HTTP API (127.0.0.1: this machine only)."""
+    port: int = DEFAULT_PORT
+    """Port of the HTTP API (0: any free port; the actor reports the one it got)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    push_interval_s: float = 0.005
+    """How often each rank drains its ledger and pushes a batch (when it has events)."""
+    health_interval_s: float = 1.0
+    """How often the router checks ranks, re-attaches publishers and refreshes loads."""
+    vllm_events: tuple[str, ...] = ()
+    """Real vLLM engines to index too: ``tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]`` each."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        if not self.push_interval_s > 0 or not self.health_interval_s > 0:
+            raise ValueError("push_interval_s and health_interval_s must be > 0")
+        for spec in self.vllm_events:
+            parse_vllm_endpoint(spec)
+
+
+class RouterHost:
+    """The router's process: service, HTTP server, maintenance (see the module docstring)."""
+
+    def __init__(self, cluster_config: ClusterConfig, actors: list, device: str, config: RouterActorConfig) -> None:
+        self.config = config
+        self.cluster = Cluster(cluster_config, actors, device)
+        self.backend = RayBackend(self.cluster)
+        self.service = RouterService(self.backend, config.router)
+        self._self_handle = _own_handle()
+        self._stop = threading.Event()
+        self.server = HttpServer(make_app(self.service), config.host, config.port).start()
+        # snapshot first, then attach: the first batch a rank pushes then follows its snapshot's number,
+        # where a batch 0 arriving after the snapshot would read as a restart and cost a second one
+        self.service.sync_ranks()
+        self._attach_all()
+        for spec in config.vllm_events:
+            self.service.attach_vllm(*parse_vllm_endpoint(spec))
+        self._maintenance = threading.Thread(target=self._maintain, name="kvledger-router-maintenance", daemon=True)
+        self._maintenance.start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def ingest(self, rank: int, seq: int, data: bytes) -> str:
+        """A rank's pushed batch; returns what the index did with it (``ApplyStatus`` value)."""
+        return self.service.ingest(rank, seq, data).status.value
+
+    def ping(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop()
+        self.service.close()
+
+    def _attach_all(self) -> None:
+        if self._self_handle is None:
+            return
+        refs = {r: self.cluster.actors[r].attach_router.remote(self._self_handle, self.config.push_interval_s)
+                for r in self.backend.ranks()}
+        for r, ref in refs.items():
+            try:
+                ray.get(ref, timeout=self.backend.quick_timeout_s)
+            except (RayActorError, GetTimeoutError):
+                self.backend.mark_down(r)
+
+    def _maintain(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            try:
+                back = self.backend.check_health()
+                if back:
+                    logger.info("rank(s) %s are back", back)
+                self.service.sync_ranks()
+                self._attach_all()   # idempotent; restarts the publisher of a rank that restarted
+                self.service.refresh_loads(force=True)
+            except Exception:  # keep maintaining: one bad round must not stop the router's upkeep
+                logger.exception("router maintenance round failed")
+
+
+def _own_handle():
+    """This actor's handle (for the ranks to push to), or ``None`` outside an actor (a plain ``RouterHost``)."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
+
+def router_actor_class():
+    """``RouterHost`` as a Ray actor (sequential: one caller's pushes run in order)."""
+    return ray.remote(max_concurrency=1)(RouterHost)
+
+
+def start_router(cluster: Cluster, config: RouterActorConfig = RouterActorConfig(), name: str = ROUTER_NAME,
+                 detached: bool = False, timeout_s: float = 120.0):
+    """Spawn the router actor on this node (its HTTP API binds here); returns ``(handle, url)``."""
+    tpb = cluster.config.cache.tokens_per_block
+    if config.router.tokens_per_block != tpb:
+        config = dataclasses.replace(config, router=dataclasses.replace(config.router, tokens_per_block=tpb))
+    if cluster.block_counts is None:
+        raise ValueError("the cluster has not agreed block counts yet; start the router after Cluster.start")
+    opts = dict(name=name, namespace=cluster.config.namespace, num_cpus=0, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                   soft=False))
+    if detached:
+        opts["lifetime"] = "detached"
+    cls = router_actor_class()
+    handle = cls.options(**opts).remote(cluster.config, list(cluster.actors), cluster.device, config)
+    return handle, ray.get(handle.url.remote(), timeout=timeout_s)

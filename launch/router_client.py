@@ -1,0 +1,162 @@
+"""``kvledger route`` and ``kvledger monitor``: clients of the router's HTTP API.
+
+Both find the router at ``--url``, else at the URL the running cluster's state
+file records, else at http://127.0.0.1:8000. ``monitor`` shows a per-rank
+table (blocks per tier, hit rate, events/s) refreshed in place with rich, and
+the last events of the live stream under it; ``--json`` prints the stream's
+raw JSON lines instead.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def router_url(url: str | None = None) -> str:
+    """``url``, else the running cluster's router (state file), else the default."""
+    if url:
+        return url.rstrip("/")
+    from launch.state import ClusterState
+
+    try:
+        state = ClusterState.load()
+    except ValueError:
+        state = None
+    recorded = getattr(state, "router_url", None) if state is not None else None
+    return (recorded or DEFAULT_URL).rstrip("/")
+
+
+def _explain(e: httpx.HTTPError, url: str) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return f"no router answers at {url} ({e}); start one with `kvledger up` or pass --url"
+    return f"{type(e).__name__}: {e}"
+
+
+def route(prompt: str, url: str | None = None, salt: str | None = None, max_tokens: int = 16,
+          timeout_s: float = 300.0, out: Callable[[str], None] = print) -> int:
+    """Send one completion; print the rank chosen, cached and computed tokens and the output text."""
+    url = router_url(url)
+    body: dict = {"prompt": prompt, "max_tokens": max_tokens}
+    if salt is not None:
+        body["cache_salt"] = salt
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        out(f"kvledger route: {_explain(e, url)}")
+        return 1
+    if r.status_code != 200:
+        out(f"kvledger route: the router answered {r.status_code}: {r.text}")
+        return 1
+    res = r.json()
+    kv = res["kvledger"]
+    out(f"rank {kv['rank']}  cached {kv['cached_tokens']}  computed {kv['computed_tokens']}  "
+        f"onboarded {kv['onboarded_blocks']} blocks  migrated {kv['migrated_blocks']} blocks")
+    out(f"output: {res['choices'][0]['text']!r}")
+    return 0
+
+
+def _stream(url: str, rank: int | None, since: int, stop: threading.Event,
+            on_line: Callable[[str], None], timeout_s: float | None) -> None:
+    params: dict = {"since": since}
+    if rank is not None:
+        params["rank"] = rank
+    if timeout_s is not None:
+        params["timeout"] = timeout_s
+    with httpx.stream("GET", f"{url}/v1/events", params=params, timeout=httpx.Timeout(10.0, read=None)) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if stop.is_set():
+                return
+            if line:
+                on_line(line)
+
+
+def _latest_event_id(url: str) -> int:
+    """Where the live stream starts: the number of events the router has logged so far."""
+    c = httpx.get(f"{url}/v1/cluster", timeout=10.0).json()
+    return c["router"]["events_logged"]
+
+
+def monitor(url: str | None = None, rank: int | None = None, as_json: bool = False, seconds: float | None = None,
+            history: int = 12, refresh_s: float = 1.0, out: Callable[[str], None] = print) -> int:
+    """Watch the router: JSON lines (``as_json``) or a live table; stops after ``seconds`` or on Ctrl-C."""
+    url = router_url(url)
+    try:
+        if as_json:
+            _stream(url, rank, 0, threading.Event(), out, seconds)
+            return 0
+        return _table(url, rank, seconds, history, refresh_s)
+    except KeyboardInterrupt:
+        return 0
+    except httpx.HTTPError as e:
+        out(f"kvledger monitor: {_explain(e, url)}")
+        return 1
+
+
+def _table(url: str, rank: int | None, seconds: float | None, history: int, refresh_s: float) -> int:
+    from rich.console import Group
+    from rich.live import Live
+    from rich.table import Table
+
+    recent: deque[dict] = deque(maxlen=history)
+    stop = threading.Event()
+    since = max(0, _latest_event_id(url) - history)
+    reader = threading.Thread(target=_stream, args=(url, rank, since, stop, lambda s: recent.append(json.loads(s)),
+                                                    seconds), daemon=True)
+    reader.start()
+
+    def render() -> Group:
+        c = httpx.get(f"{url}/v1/cluster", timeout=10.0).json()
+        t = Table(title=f"kvledger router {url}  policy {c['policy']}  hit rate {c['router']['hit_rate']:.0%}  "
+                        f"completions {c['router']['completions']}")
+        for col in ("rank", "GPU used/free", "CPU used/free", "hit rate", "events/s", "events", "index blocks",
+                    "in flight", "served"):
+            t.add_column(col, justify="right")
+        for r in c["ranks"]:
+            if rank is not None and r["rank"] != rank:
+                continue
+            b = r["blocks"]
+            gpu = "-" if b is None else f"{b['GPU']['used']}/{b['GPU']['free']}"
+            cpu = "-" if b is None else f"{b['CPU']['used']}/{b['CPU']['free']}"
+            hit = "-" if r["cache_hit_rate"] is None else f"{r['cache_hit_rate']:.0%}"
+            t.add_row(str(r["rank"]), gpu, cpu, hit, f"{r['events_per_s']:.1f}", str(r["events_total"]),
+                      str(r["index_blocks"]), str(r["inflight_requests"]), str(r["completions"]))
+        ev = Table(title="last events")
+        for col in ("id", "rank", "batch", "type", "detail"):
+            ev.add_column(col)
+        for e in list(recent):
+            ev.add_row(str(e["id"]), str(e["rank"]), str(e["seq"]), e["type"], _detail(e))
+        return Group(t, ev)
+
+    deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        with Live(render(), refresh_per_second=4) as live:
+            while deadline is None or time.monotonic() < deadline:
+                stop.wait(refresh_s if deadline is None else max(0.0, min(refresh_s, deadline - time.monotonic())))
+                live.update(render())
+    finally:
+        stop.set()
+    return 0
+
+
+def _detail(e: dict) -> str:
+    t = e["type"]
+    if t == "BlockStored":
+        return f"{len(e['block_hashes'])} block(s) on {e['medium']}, {len(e['token_ids'])} tokens"
+    if t == "BlockRemoved":
+        return f"{len(e['block_hashes'])} block(s) from {e['medium']}"
+    if t == "BlockUpdated":
+        return f"{e['old_medium']} -> {e['new_medium']}" if e.get("new_medium") else \
+            f"priority {e['old_priority']} -> {e['new_priority']}"
+    if t == "KVCacheCreated":
+        return f"{e['num_blocks']}"
+    if t == "Snapshot":
+        return f"{e['blocks']} blocks, next batch {e['next_seq']}"
+    return ""

@@ -1,0 +1,288 @@
+"""``kvledger up / status / down``: start or join Ray, spawn the ranks, report, and stop exactly what was started.
+
+``up`` in the foreground owns the cluster until Ctrl-C (or SIGTERM). ``up
+--detach`` starts that same foreground owner as a background process in its
+own session and returns once the owner reports the cluster healthy in the state
+file. ``down`` kills the rank actors, then the owner and the processes it
+started (by pid, checked against their start times); it never runs ``ray
+stop``, so other Ray clusters on the machine are left alone.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import coordinator  # noqa: F401  (before ray: one auth mode, loopback-only local Ray)
+from coordinator.config import ClusterConfig
+from launch.state import ClusterState, descendants, is_alive, start_time, state_dir, state_path
+
+logger = logging.getLogger(__name__)
+HEALTH_EVERY_S = 5.0
+DETACH_WAIT_S = 180.0
+
+
+def _ray_pids() -> list[tuple[int, int]]:
+    """The Ray processes this driver's local node started (empty when it joined a cluster)."""
+    import ray
+
+    node = ray._private.worker._global_node
+    out = []
+    for infos in getattr(node, "all_processes", {}).values():
+        for info in infos:
+            pid = info.process.pid
+            st = start_time(pid)
+            if st is not None:
+                out.append((pid, st))
+    return out
+
+
+def _where(state: ClusterState) -> str:
+    return (f"kvledger cluster up: {state.num_ranks} rank(s) on {state.device}, "
+            f"{state.block_counts[0]} device + {state.block_counts[1]} host blocks per rank\n"
+            f"  Ray address   {state.address}  (namespace {state.namespace!r}, actors "
+            f"{state.name_prefix}-0..{state.num_ranks - 1})\n"
+            f"  Python        import coordinator, ray; from coordinator.cluster import Cluster\n"
+            f"                ray.init(address={state.address!r}, namespace={state.namespace!r}); "
+            f"cluster = Cluster.connect()\n"
+            + (f"  router        {state.router_url}  (kvledger route PROMPT | kvledger monitor)\n"
+               if state.router_url else "")
+            + f"  state file    {state_path()}\n"
+            f"  commands      kvledger status [--json] | kvledger down")
+
+
+def _start_router(cluster, host: str, port: int, detached: bool, out: Callable[[str], None],
+                  policy: str = "kv", vllm_events: Sequence[str] = ()):
+    """Start the router actor (HTTP API) over the ranks; ``(name, url)``, or ``(None, None)`` when it cannot."""
+    try:
+        from coordinator.router_actor import ROUTER_NAME, RouterActorConfig, start_router
+        from router.service import RouterConfig
+        config = RouterActorConfig(host=host, port=port, router=RouterConfig(policy=policy),
+                                   vllm_events=tuple(vllm_events))
+        _handle, url = start_router(cluster, config, detached=detached)
+        return ROUTER_NAME, url
+    except Exception as e:  # the ranks stay usable from Python; say why the HTTP API is missing
+        out(f"the router did not start ({type(e).__name__}: {e}); the cluster is reachable from Python only")
+        return None, None
+
+
+def _kill_router(name: str | None, namespace: str) -> None:
+    import ray
+    if name is None:
+        return
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+def up(config: ClusterConfig, address: str | None = None, workload: str | None = None,
+       out: Callable[[str], None] = print, router: bool = True, host: str = "127.0.0.1", port: int = 8000,
+       policy: str = "kv", vllm_events: Sequence[str] = ()) -> int:
+    """Start (or join) Ray and the ranks; run the workload and stop, or hold the cluster until Ctrl-C/SIGTERM."""
+    import ray
+
+    from coordinator.cluster import Cluster
+    from coordinator.ray_env import init_ray
+
+    existing = ClusterState.load()
+    if workload is None and existing is not None and is_alive(existing.owner_pid, existing.owner_start):
+        out(f"a kvledger cluster is already up (owner pid {existing.owner_pid}, {state_path()}); "
+            "run `kvledger down` first")
+        return 1
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    num_cpus = max(os.cpu_count() or 1, math.ceil(config.num_ranks * config.num_cpus_per_rank))
+    init_ray(address=address, num_cpus=num_cpus, namespace=config.namespace, log_to_driver=False)
+    cluster = None
+    router_name = None
+    try:
+        t0 = time.perf_counter()
+        cluster = Cluster.start(config)
+        out(f"started {config.num_ranks} rank actor(s) on {cluster.device} in {time.perf_counter() - t0:.1f} s; "
+            f"process group formed ({'nccl' if cluster.device == 'cuda' else 'gloo'}), "
+            f"agreed block counts (device, host) = {cluster.block_counts}")
+        if workload is not None:
+            from launch.workload import run_bundled
+            run_bundled(cluster, out)
+            return 0
+        router_url = None
+        if router:
+            router_name, router_url = _start_router(cluster, host, port, config.detached, out, policy,
+                                                    vllm_events)
+        node = ray._private.worker._global_node
+        pids = _ray_pids() if address is None else []
+        state = ClusterState(address=node.gcs_address if node is not None else address,
+                             namespace=config.namespace, name_prefix=config.name_prefix,
+                             num_ranks=config.num_ranks, device=cluster.device,
+                             block_counts=list(cluster.block_counts), owner_pid=os.getpid(),
+                             owner_start=start_time(os.getpid()), started_ray=address is None,
+                             ray_pids=[p for p, _ in pids], ray_pid_starts=[s for _, s in pids],
+                             router_url=router_url, router_name=router_name, ready=True)
+        state.save()
+        out(_where(state))
+        out("holding the cluster; Ctrl-C stops it")
+        sys.stdout.flush()
+        while not stop.wait(HEALTH_EVERY_S):
+            try:
+                if not all(cluster.alive()):
+                    out(f"rank(s) restarted: {cluster.heal()}; process group {cluster.generation} formed")
+            except Exception as e:  # keep holding; status shows the rank as dead
+                logger.warning("health check failed: %s", e)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _kill_router(router_name, config.namespace)
+        if cluster is not None:
+            cluster.shutdown()
+        st = ClusterState.load()
+        if st is not None and st.owner_pid == os.getpid():
+            ClusterState.remove()
+        ray.shutdown()
+        out("cluster stopped")
+
+
+def up_detached(argv: list[str], out: Callable[[str], None] = print) -> int:
+    """Run ``kvledger up`` (these arguments, no ``--detach``) in the background; return once it is healthy."""
+    existing = ClusterState.load()
+    if existing is not None and is_alive(existing.owner_pid, existing.owner_start):
+        out(f"a kvledger cluster is already up (owner pid {existing.owner_pid}); run `kvledger down` first")
+        return 1
+    ClusterState.remove()
+    log = state_dir() / "up.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=os.environ.copy())
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out(f"kvledger up exited with {proc.returncode} before the cluster was healthy; its log ({log}):\n"
+                + log.read_text()[-3000:])
+            return 1
+        state = ClusterState.load()
+        if state is not None and state.ready and state.owner_pid == proc.pid:
+            out(_where(state))
+            out(f"detached (owner pid {proc.pid}, log {log})")
+            return 0
+        time.sleep(0.5)  # the owner reports through the state file; nothing to wait on
+    out(f"the cluster was not healthy within {DETACH_WAIT_S:g} s; stopping it (log {log})")
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    return 1
+
+
+def _reachable(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether something listens at the GCS address (``ray.init`` would retry for minutes otherwise)."""
+    import socket
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _connect(state: ClusterState):
+    import ray
+
+    if not _reachable(state.address):
+        raise ConnectionError(f"nothing answers at {state.address}")
+
+    from coordinator.cluster import Cluster
+    from coordinator.ray_env import init_ray
+
+    init_ray(address=state.address, namespace=state.namespace, ship_code=False, log_to_driver=False)
+    return ray, Cluster.connect(ClusterConfig(namespace=state.namespace, name_prefix=state.name_prefix))
+
+
+def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
+    """Ranks, device, agreed block counts per tier, blocks in use, alive — of the cluster in the state file."""
+    state = ClusterState.load()
+    if state is None:
+        out(f"no kvledger cluster is up (no state file at {state_path()})")
+        return 1
+    try:
+        ray, cluster = _connect(state)
+    except Exception as e:
+        alive = is_alive(state.owner_pid, state.owner_start)
+        out(f"the cluster in {state_path()} does not answer at {state.address} ({type(e).__name__}: {e}); "
+            f"its owner (pid {state.owner_pid}) is {'alive' if alive else 'gone'}; `kvledger down` cleans up")
+        return 1
+    try:
+        st = cluster.status()
+    finally:
+        ray.shutdown()
+    st["address"] = state.address
+    st["owner_pid"] = state.owner_pid
+    st["router_url"] = state.router_url
+    if as_json:
+        out(json.dumps(st, indent=2, default=str))
+        return 0
+    agreed = st["agreed_blocks"] or {}
+    out(f"cluster at {state.address}: {st['num_ranks']} rank(s), device {st['device']}, agreed blocks per rank: "
+        f"{agreed.get('device')} device, {agreed.get('host')} host; router {state.router_url or 'not running'}")
+    out(f"{'rank':>4} {'alive':>5} {'device':>7} {'in use':>7} {'free':>7} {'host in use':>11} {'served':>6}")
+    for r in st["ranks"]:
+        if not r["alive"]:
+            out(f"{r['rank']:>4} {'no':>5}")
+            continue
+        out(f"{r['rank']:>4} {'yes':>5} {r.get('device', '-'):>7} {r.get('device_blocks_used', '-'):>7} "
+            f"{r.get('device_blocks_free', '-'):>7} {r.get('host_blocks_used', '-'):>11} {r['served_requests']:>6}")
+    return 0 if all(r["alive"] for r in st["ranks"]) else 2
+
+
+def down(out: Callable[[str], None] = print, grace_s: float = 30.0) -> int:
+    """Kill the rank actors, then the ``up`` owner and every process it started; remove the state file."""
+    state = ClusterState.load()
+    if state is None:
+        out(f"no kvledger cluster is up (no state file at {state_path()})")
+        return 1
+    owner_alive = is_alive(state.owner_pid, state.owner_start)
+    try:
+        ray, cluster = _connect(state)
+        try:
+            _kill_router(state.router_name, state.namespace)
+            cluster.shutdown()
+            out(f"killed {state.num_ranks} rank actor(s)" + (" and the router" if state.router_name else ""))
+        finally:
+            ray.shutdown()
+    except Exception as e:  # the Ray may already be gone; the processes below are still ours to stop
+        out(f"could not reach the cluster at {state.address} ({type(e).__name__}: {e}); stopping its processes")
+    ours = list(zip(state.ray_pids, state.ray_pid_starts))
+    if owner_alive:
+        ours = [(state.owner_pid, state.owner_start), *descendants(state.owner_pid), *ours]
+        os.kill(state.owner_pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while is_alive(state.owner_pid, state.owner_start) and time.monotonic() < deadline:
+            time.sleep(0.2)  # waiting for another process to exit: no event to wait on
+    killed = 0
+    for pid, st in dict(ours).items():
+        if st is not None and is_alive(pid, st):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    ClusterState.remove()
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = [pid for pid, st in dict(ours).items() if st is not None and is_alive(pid, st)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    out(f"cluster down ({'stopped' if owner_alive else 'owner already gone'}; {killed} process(es) killed"
+        f"{'; still alive: ' + str(left) if left else ''})")
+    return 0 if not left else 1

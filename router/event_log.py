@@ -1,0 +1,108 @@
+"""The router's bounded log of decoded events, for monitors: numbered records, read from any point, waited on.
+
+Each record gets the next id, router-wide; a reader asks for the records from
+an id on (optionally one rank's) and gets the id to ask from next, so a
+follower never misses or repeats one while the log still holds it. The oldest
+records fall off when the log is full.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from worker.events import KVEvent
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """One decoded event as monitors see it; ``id`` increases by one per record, router-wide."""
+
+    id: int
+    rank: int
+    seq: int
+    """The rank's batch number (-1 for the record of a snapshot or a removal)."""
+    ts: float
+    event: dict
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "rank": self.rank, "seq": self.seq, "ts": self.ts, **self.event}
+
+
+_EVENT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def event_to_dict(ev: KVEvent) -> dict:
+    """An event as JSON-ready fields, ``type`` first (the class name, as on the wire)."""
+    t = type(ev)
+    names = _EVENT_FIELDS.get(t)
+    if names is None:
+        names = _EVENT_FIELDS[t] = tuple(f.name for f in dataclasses.fields(t))
+    out: dict = {"type": t.__name__}
+    for n in names:
+        out[n] = getattr(ev, n)
+    return out
+
+
+class EventLog:
+    """The last ``size`` records (see the module docstring); thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        if type(size) is not int or size < 1:
+            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        self._log: deque[EventRecord] = deque(maxlen=size)
+        self._next_id = 0
+        self._changed = threading.Condition()
+
+    @property
+    def next_id(self) -> int:
+        """The id the next record will get (= records logged so far)."""
+        return self._next_id
+
+    def append(self, rank: int, seq: int, ts: float, events: list[dict]) -> None:
+        with self._changed:
+            for ev in events:
+                self._log.append(EventRecord(self._next_id, rank, seq, ts, ev))
+                self._next_id += 1
+            if events:
+                self._changed.notify_all()
+
+    def read(self, since: int = 0, rank: int | None = None, limit: int = 1000) -> tuple[list[EventRecord], int]:
+        """Records with ``id >= since`` (of ``rank`` only, if given), at most ``limit``; and the id to ask from
+        next. Records older than the log's size are gone: the first one returned says where it starts."""
+        if type(since) is not int or since < 0:
+            raise ValueError(f"since must be an int >= 0, got {since!r}")
+        if type(limit) is not int or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        with self._changed:
+            return self._since(since, rank, limit)
+
+    def wait(self, since: int, rank: int | None = None, limit: int = 1000,
+             timeout: float = 1.0) -> tuple[list[EventRecord], int]:
+        """Like ``read``, but waits up to ``timeout`` seconds for at least one record to arrive."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                out, nxt = self._since(since, rank, limit)
+                left = deadline - time.monotonic()
+                if out or left <= 0:
+                    return out, nxt
+                self._changed.wait(left)
+                since = nxt
+
+    def _since(self, since: int, rank: int | None, limit: int) -> tuple[list[EventRecord], int]:
+        log = self._log
+        if since >= self._next_id or not log:
+            return [], since
+        out: list[EventRecord] = []
+        nxt = since
+        for rec in itertools.islice(log, max(0, since - log[0].id), None):
+            nxt = rec.id + 1
+            if rank is None or rec.rank == rank:
+                out.append(rec)
+                if len(out) >= limit:
+                    break
+        return out, nxt

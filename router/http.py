@@ -1,0 +1,289 @@
+"""The router's HTTP API (FastAPI): OpenAI-style completions, routing and probing, the event stream, metrics.
+
+``make_app(service)`` builds the app over a ``RouterService``; ``HttpServer``
+runs it with uvicorn in a background thread (the router actor, the tests), on
+127.0.0.1 unless told otherwise. Request bodies are pydantic models, so a bad
+request gets a 4xx naming the field and reaches nothing; errors the service
+raises for bad input (``ValueError``) become 400, no live rank
+503. Metrics live in a registry of the app's own, filled at scrape time from
+the service's counters (the service itself does not know Prometheus).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Annotated, Literal
+
+import uvicorn
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from router.policies import NoLiveRankError
+from router.service import RouterService
+from worker.errors import OutOfBlocksError
+from worker.tokenizer import decode, encode
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+MODEL_NAME = "kvledger-reference"
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+Prompt = Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CompletionBody(_Body):
+    """``POST /v1/completions``: the OpenAI completions fields kvledger serves, plus its own three."""
+
+    prompt: Prompt
+    """Text (byte-level tokens, ``worker.tokenizer``) or token ids."""
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=4096)] = 16
+    model: str | None = None
+    """Accepted for OpenAI clients; there is one model."""
+    stream: Literal[False] = False
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
+    priority: Annotated[StrictInt, Field(ge=0, le=100)] | None = None
+    """Retention priority of the prompt's and the output's blocks (``RetentionConfig``)."""
+
+
+class RouteBody(_Body):
+    """``POST /v1/route``: where the prompt would go, without sending it."""
+
+    prompt: Prompt
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=4096)] = 16
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
+
+
+class ProbeBody(_Body):
+    """``POST /v1/probe``: how much of the prompt each rank holds; ``exact`` asks the ranks' ledgers."""
+
+    prompt: Prompt
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
+    exact: bool = False
+
+
+def prompt_tokens(prompt: str | list[int]) -> list[int]:
+    return encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+class _ServiceCollector:
+    """Prometheus families read from the service at scrape time."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def describe(self) -> list[Metric]:
+        return []   # unchecked collector: families are known only when collected
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.service
+        summary = svc.cluster(refresh=True)
+        policy = summary["policy"]
+        blocks = GaugeMetricFamily("kvledger_blocks", "KV blocks per rank, tier and state (used/free)",
+                                   labels=["rank", "tier", "state"])
+        hit = GaugeMetricFamily("kvledger_cache_hit_rate", "The ledger's reused / (reused + missed) blocks",
+                                labels=["rank"])
+        eps = GaugeMetricFamily("kvledger_events_per_second", "Block events indexed per second (sliding window)",
+                                labels=["rank"])
+        events = CounterMetricFamily("kvledger_events", "Block events indexed", labels=["rank"])
+        decisions = CounterMetricFamily("kvledger_routing_decisions", "Requests routed and served, per rank",
+                                        labels=["rank", "policy"])
+        index_blocks = GaugeMetricFamily("kvledger_index_blocks", "Distinct block hashes the index holds per rank",
+                                         labels=["rank"])
+        inflight = GaugeMetricFamily("kvledger_inflight_requests", "Requests dispatched and not finished",
+                                     labels=["rank"])
+        for r in summary["ranks"]:
+            rank = str(r["rank"])
+            if r["blocks"] is not None:
+                for tier, counts in r["blocks"].items():
+                    for state, n in counts.items():
+                        blocks.add_metric([rank, tier, state], n)
+                hit.add_metric([rank], r["cache_hit_rate"])
+            eps.add_metric([rank], r["events_per_s"])
+            events.add_metric([rank], r["events_total"])
+            decisions.add_metric([rank, policy], r["decisions"])
+            index_blocks.add_metric([rank], r["index_blocks"])
+            inflight.add_metric([rank], r["inflight_requests"])
+        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight)
+        router = summary["router"]
+        yield GaugeMetricFamily("kvledger_router_hit_rate", "Cached / prompt tokens over the router's completions",
+                                value=router["hit_rate"])
+        for name, key, doc in (("kvledger_completions", "completions", "Completions served"),
+                               ("kvledger_prompt_tokens", "prompt_tokens", "Prompt tokens of served completions"),
+                               ("kvledger_cached_tokens", "cached_tokens", "Prompt tokens served from cache"),
+                               ("kvledger_migrated_blocks", "migrated_blocks", "Blocks pulled between ranks"),
+                               ("kvledger_request_retries", "retries", "Requests re-sent after their rank died"),
+                               ("kvledger_rank_removals", "ranks_removed", "Ranks dropped from the index"),
+                               ("kvledger_index_replays", "replays", "Replays asked of ranks"),
+                               ("kvledger_index_snapshots", "snapshots", "Snapshots loaded")):
+            yield CounterMetricFamily(name, doc, value=router[key])
+        h = svc.probe_latency()
+        yield HistogramMetricFamily("kvledger_probe_latency_seconds", "Index probe latency",
+                                    buckets=[("+Inf" if math.isinf(le) else repr(le), n) for le, n in h.cumulative()],
+                                    sum_value=h.sum)
+
+
+def make_app(service: RouterService) -> FastAPI:
+    """The router's HTTP API over ``service`` (see DESIGN.md, "HTTP")."""
+    app = FastAPI(title="kvledger router", version="0.1.0")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ServiceCollector(service))
+    app.state.service = service
+    app.state.registry = registry
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(NoLiveRankError)
+    async def _no_rank(_: Request, exc: NoLiveRankError) -> JSONResponse:
+        return _error(503, str(exc), "no_live_rank")
+
+    @app.exception_handler(OutOfBlocksError)
+    async def _no_blocks(_: Request, exc: OutOfBlocksError) -> JSONResponse:
+        return _error(503, str(exc), "out_of_blocks")
+
+    @app.post("/v1/completions")
+    def completions(body: CompletionBody) -> dict:
+        tokens = prompt_tokens(body.prompt)
+        res = service.complete(tokens, max_tokens=body.max_tokens, cache_salt=body.cache_salt,
+                               lora_id=body.lora_id, priority=body.priority)
+        return {
+            "id": f"cmpl-{res.request_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model or MODEL_NAME,
+            "choices": [{"index": 0, "text": decode(res.output_tokens), "logprobs": None,
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.output_tokens),
+                      "total_tokens": res.prompt_tokens + len(res.output_tokens),
+                      "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
+            "kvledger": {"rank": res.rank, "cached_tokens": res.cached_tokens,
+                         "computed_tokens": res.computed_tokens, "onboarded_blocks": res.onboarded_blocks,
+                         "migrated_blocks": res.migrated_blocks, "retries": res.retries,
+                         "output_token_ids": res.output_tokens, "policy": res.decision.policy},
+        }
+
+    @app.post("/v1/route")
+    def route(body: RouteBody) -> dict:
+        d = service.route(prompt_tokens(body.prompt), max_tokens=body.max_tokens, cache_salt=body.cache_salt,
+                          lora_id=body.lora_id)
+        ranks = sorted(set(d.scores) | set(d.matched_tokens))
+        return {"rank": d.rank, "policy": d.policy, "lower_is_better": d.lower_is_better,
+                "migrate_from": d.migrate_from, "migrate_blocks": d.migrate_blocks,
+                "ranks": [{"rank": r, "matched_tokens": d.matched_tokens.get(r, 0), "score": d.scores.get(r)}
+                          for r in ranks]}
+
+    @app.post("/v1/probe")
+    def probe(body: ProbeBody) -> dict:
+        tokens = prompt_tokens(body.prompt)
+        got = service.probe(tokens, lora_id=body.lora_id, cache_salt=body.cache_salt, exact=body.exact)
+        foreign = service.foreign_engines()
+        ranks = []
+        for r, m in sorted(got.items()):
+            entry = {"rank": r, "matched_tokens": m.matched_tokens,
+                     "tiers": None if m.device_tokens is None else {"GPU": m.device_tokens, "CPU": m.host_tokens}}
+            if r in foreign:
+                entry["vllm"] = foreign[r]   # a foreign engine's rank, named after its endpoint
+            ranks.append(entry)
+        return {"exact": body.exact, "prompt_tokens": len(tokens), "ranks": ranks}
+
+    @app.get("/v1/events")
+    async def events(request: Request, since: Annotated[int, Query(ge=0)] = 0,
+                     rank: Annotated[int | None, Query(ge=0)] = None,
+                     limit: Annotated[int | None, Query(ge=1)] = None,
+                     timeout: Annotated[float | None, Query(gt=0, le=86_400)] = None) -> StreamingResponse:
+        """Newline-delimited JSON events from ``since``, following live; ends after ``limit`` events or
+        ``timeout`` seconds when given, else when the client goes away."""
+        return StreamingResponse(_follow(service, request, since, rank, limit, timeout),
+                                 media_type="application/x-ndjson")
+
+    @app.get("/v1/cluster")
+    def cluster() -> dict:
+        return service.cluster(refresh=True)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        live = service.backend.ranks()
+        return JSONResponse({"status": "ok" if live else "no_live_rank", "live_ranks": live},
+                            status_code=200 if live else 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _follow(service: RouterService, request: Request, since: int, rank: int | None, limit: int | None,
+                  timeout: float | None) -> AsyncIterator[bytes]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    left = limit
+    while True:
+        wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+        if wait <= 0 or await request.is_disconnected():
+            return
+        recs, since = await asyncio.to_thread(service.wait_events, since, rank, min(left or 1000, 1000), wait)
+        if recs:
+            yield "".join(json.dumps(r.to_dict(), separators=(",", ":")) + "\n" for r in recs).encode()
+            if left is not None:
+                left -= len(recs)
+                if left <= 0:
+                    return
+
+
+class HttpServer:
+    """The app under uvicorn in a background thread; ``port`` is the bound one (ask for 0 to get a free one)."""
+
+    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 log_level: str = "warning") -> None:
+        self.host = host
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                     access_log=False, lifespan="off"))
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None, "start the server first"
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> HttpServer:
+        """Start serving; returns once the socket listens (raises ``RuntimeError`` if it does not in time)."""
+        self._thread = threading.Thread(target=self._server.run, name="kvledger-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the HTTP server on {self.host} exited during start-up (port taken?)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on {self.host} did not start within {timeout_s:g} s")
+            time.sleep(0.01)   # uvicorn offers no start-up event to wait on
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        logger.info("router HTTP API on %s", self.url)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)

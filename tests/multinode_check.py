@@ -1,0 +1,58 @@
+"""Run as a script (its own Ray): ranks spread over simulated nodes of ``ray.cluster_utils.Cluster``.
+
+Prints one JSON line with what it saw; ``test_cluster_multinode.py`` runs it in a
+subprocess because a test session holds one Ray already.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def main() -> int:
+    import coordinator  # noqa: F401  (before ray: loopback-only Ray)
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from coordinator.cluster import Cluster
+    from coordinator.config import ClusterConfig
+    from coordinator.migration import Migrator
+    from coordinator.ray_env import ray_env_vars
+    from worker import CacheConfig
+
+    ray_env_vars()
+    node_args = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+                 "object_store_memory": 80 * 1024 * 1024}
+    sim = RayCluster(initialize_head=True, head_node_args={**node_args, "num_cpus": 0})
+    try:
+        for _ in range(2):
+            sim.add_node(**node_args)
+        sim.wait_for_nodes(timeout=60)
+        from coordinator.ray_env import init_ray
+        init_ray(address=sim.address, ship_code=True, log_to_driver=False)  # code travels by py_modules
+        cache = CacheConfig(tokens_per_block=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                            device="cpu", num_primary_blocks=32)
+        c = Cluster.start(ClusterConfig(num_ranks=2, device="cpu", cache=cache, group_timeout_s=30,
+                                        call_timeout_s=60))
+        nodes = [ray.get(a.node_id.remote(), timeout=30) for a in c.actors]
+        strategy = ray.util.placement_group_table(c.placement)["strategy"]
+        p = list(range(30, 30 + 13))
+        (scratch,) = c.serve([{"request_id": 1, "tokens": p}], rank=0)
+        m = Migrator(c).migrate(p, 0, 1)
+        (moved,) = c.serve([{"request_id": 2, "tokens": p}], rank=1)
+        same = bool(torch.allclose(scratch["last_logits"], moved["last_logits"], atol=1e-4))
+        out = {"nodes": nodes, "alive_nodes": len([n for n in ray.nodes() if n["Alive"]]), "strategy": strategy,
+               "sent_blocks": m.sent_blocks, "cached_on_target": moved["cached_tokens"], "same_logits": same,
+               "block_counts": list(c.block_counts)}
+        c.shutdown()
+        ray.shutdown()
+    finally:
+        sim.shutdown()
+    print("RESULT " + json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The command line against real processes: ``up --workload bundled``, ``up --detach`` / ``status`` / ``down``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.cli import main
+from launch.state import ClusterState, descendants, is_alive
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLEDGER_HOME", str(tmp_path))
+    return tmp_path
+
+
+def kvledger(home: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVLEDGER_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_bad_arguments_and_no_cluster_are_clear_errors(home, capsys):
+    assert main(["up", "--ranks", "0"]) == 2
+    assert main(["up", "--detach", "--workload", "bundled"]) == 2
+    assert main(["up", "--port", "70000"]) == 2
+    assert main(["up", "--policy", "fastest"]) == 2 and "unknown --policy" in capsys.readouterr().err
+    assert main(["status"]) == 1 and "no kvledger cluster is up" in capsys.readouterr().out
+    assert main(["down"]) == 1
+    with pytest.raises(SystemExit):
+        main(["up", "--device", "tpu"])
+
+
+def test_up_runs_the_bundled_workload_and_stops(home):
+    proc = kvledger(home, "up", "--ranks", "2", "--device", "cpu", "--workload", "bundled")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "agreed block counts" in out and "migrated" in out and "cluster stopped" in out
+    rows = [ln.split() for ln in out.splitlines() if ln[:3].strip().isdigit()]
+    assert len(rows) == 7 and {r[1] for r in rows} == {"0", "1"}, out
+    assert int(rows[1][2]) > 0, "the second prompt reuses the shared system prompt"
+    assert not (home / "cluster.json").exists()
+
+
+def test_detached_cluster_status_and_down_leave_no_process(home):
+    proc = kvledger(home, "up", "--ranks", "2", "--device", "cpu", "--detach", "--port", "0", "--policy", "kv")
+    assert proc.returncode == 0, proc.stdout + proc.stderr + (home / "up.log").read_text()
+    state = ClusterState.load()
+    assert state is not None and state.ready and state.started_ray and state.address.startswith("127.0.0.1:")
+    assert is_alive(state.owner_pid, state.owner_start)
+    tree = descendants(state.owner_pid)  # Ray's services and the rank actors' worker processes
+    assert len(tree) >= len(state.ray_pids) + 2
+    try:
+        again = kvledger(home, "up", "--detach")
+        assert again.returncode == 1 and "already up" in again.stdout
+        st = kvledger(home, "status", "--json", timeout=120)
+        assert st.returncode == 0, st.stdout + st.stderr
+        report = json.loads(st.stdout)
+        assert report["num_ranks"] == 2 and report["device"] == "cpu"
+        assert [r["alive"] for r in report["ranks"]] == [True, True]
+        assert {(r["device_blocks"], r["host_blocks"]) for r in report["ranks"]} == {tuple(state.block_counts)}
+        assert kvledger(home, "status", timeout=120).returncode == 0
+        # the router the state file names, through real processes and real HTTP
+        assert state.router_url and state.router_url.startswith("http://127.0.0.1:")
+        prompt = "You are a terse assistant. Answer with one word only, please. Q: "
+        first = kvledger(home, "route", prompt + "sky?", "--max-tokens", "2", timeout=120)
+        second = kvledger(home, "route", prompt + "grass?", "--max-tokens", "2", timeout=120)
+        assert first.returncode == 0 and second.returncode == 0, first.stdout + second.stdout
+        assert "cached 0" in first.stdout and "output:" in first.stdout
+        assert first.stdout.split()[1] == second.stdout.split()[1], "the shared prefix keeps it on one rank"
+        assert int(second.stdout.split("cached ")[1].split()[0]) >= 64
+        mon = kvledger(home, "monitor", "--json", "--seconds", "1", timeout=60)
+        assert mon.returncode == 0 and '"type":"BlockStored"' in mon.stdout, mon.stdout + mon.stderr
+    finally:
+        dn = kvledger(home, "down", timeout=120)
+    assert dn.returncode == 0, dn.stdout + dn.stderr
+    assert not is_alive(state.owner_pid, state.owner_start)
+    assert not [p for p, s in zip(state.ray_pids, state.ray_pid_starts) if is_alive(p, s)]
+    assert not [p for p, s in tree if is_alive(p, s)], "down leaves no process of the cluster running"
+    assert not (home / "cluster.json").exists()
+
+
+def test_a_stale_state_file_is_reported_and_cleaned_up(home, capsys):
+    ClusterState(address="127.0.0.1:1", namespace="kvledger", name_prefix="kvledger-rank", num_ranks=2,
+                 device="cpu", block_counts=[8, 0], owner_pid=2 ** 22 + 1, owner_start=None, started_ray=True).save()
+    assert main(["status"]) == 1 and "does not answer" in capsys.readouterr().out
+    assert main(["down"]) == 0 and "owner already gone" in capsys.readouterr().out
+    assert ClusterState.load() is None

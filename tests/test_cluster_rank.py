@@ -1,0 +1,132 @@
+"""The rank's plain class and the manager calls migrations use, without Ray or a process group."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ledger_helpers import make_manager, make_request, serve
+from worker import CacheConfig, OutOfBlocksError
+from worker.block import SECONDARY
+from worker.events import BlockStored
+from worker.rank import RankWorker, request_from_dict
+
+T = 4
+
+
+def make_rank(primary_blocks: int = 32, secondary_blocks: int = 0, rank: int = 0, world: int = 1) -> RankWorker:
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", primary_bytes=primary_blocks * 2 * 2 * T * 2 * 8 * 4,
+                      num_secondary_blocks=secondary_blocks)
+    w = RankWorker(rank, world, cfg, seed=0)
+    w.build_ledger(*w.local_block_counts())
+    return w
+
+
+def test_budget_gives_block_counts_and_ledger_is_built_with_them():
+    w = make_rank(primary_blocks=20, secondary_blocks=3)
+    assert w.local_block_counts() == (20, 3)
+    assert (w.manager.num_primary, w.manager.num_secondary) == (20, 3)
+    manager = w.manager
+    assert w.build_ledger(20, 3) == (20, 3) and w.manager is manager, "same counts keep the ledger (and its cache)"
+    w.build_ledger(10, 0)
+    assert w.manager.num_primary == 10
+
+
+def test_serve_plain_dicts_reuses_prefix_and_reports_load():
+    w = make_rank()
+    prompt = list(range(10, 23))
+    first = w.serve([{"request_id": 1, "tokens": prompt, "max_new_tokens": 3}], logits="list")
+    second = w.serve([{"request_id": 2, "tokens": prompt, "max_new_tokens": 3}])
+    assert first[0]["cached_tokens"] == 0 and second[0]["cached_tokens"] == 12
+    assert first[0]["output_tokens"] == second[0]["output_tokens"]
+    assert torch.allclose(torch.tensor(first[0]["last_logits"]), second[0]["last_logits"], atol=1e-4)
+    assert w.probe(prompt) == 12
+    load = w.load()
+    assert load["ready"] and load["served_requests"] == 2 and load["queued_prefill_tokens"] == 0
+    assert load["device_blocks_used"] == 0 and load["device_blocks_free"] == 32
+    assert w.stats()["reused_blocks"] == 3
+    assert any(isinstance(e, BlockStored) for e in w.take_events())
+    n, batch = w.take_event_batch()
+    assert n == 0 and isinstance(batch, bytes)
+    assert len(w.snapshot()) == 3  # 13 prompt + 2 decoded tokens written: 3 full blocks
+    w.check_integrity()
+
+
+def test_text_prompt_and_bad_request_dicts():
+    assert request_from_dict({"request_id": 3, "prompt": "hi"}).tokens == [104, 105]
+    for bad, msg in [({"request_id": 1}, "exactly one"), ({"tokens": [1]}, "request_id"),
+                     ({"request_id": 1, "tokens": [1], "colour": 2}, "unknown keys")]:
+        with pytest.raises(ValueError, match=msg):
+            request_from_dict(bad)
+    with pytest.raises(TypeError):
+        request_from_dict([1, 2])
+
+
+def test_unbuilt_ledger_is_a_clear_error():
+    cfg = CacheConfig(tokens_per_block=T, num_layers=1, num_kv_heads=1, head_dim=4, device="cpu",
+                      num_primary_blocks=8)
+    w = RankWorker(0, 2, cfg)
+    assert w.load() == {**w.load(), "ready": False}
+    with pytest.raises(RuntimeError, match="not built"):
+        w.serve([{"request_id": 1, "tokens": [1, 2]}])
+    with pytest.raises(ValueError):
+        RankWorker(2, 2, cfg)
+
+
+def test_export_pins_and_import_allocates_only_missing_blocks():
+    src, dst = make_rank(), make_rank()
+    prompt = list(range(50, 50 + 4 * T + 1))
+    src.serve([{"request_id": 1, "tokens": prompt}])
+    dst.serve([{"request_id": 1, "tokens": prompt[:2 * T + 1]}])  # dst holds the first 2 blocks already
+    pin, matched = src.export_begin(prompt)
+    assert matched == 4 and src.load()["device_blocks_used"] == 4
+    imp, count = dst.import_begin(prompt, matched)
+    assert count == 2, "the two blocks dst holds are shared, not received"
+    dst.import_abort(imp)
+    src.export_end(pin)
+    assert src.load()["device_blocks_used"] == 0 and dst.load()["device_blocks_used"] == 0
+    assert dst.probe(prompt) == 2 * T, "an aborted import stores nothing"
+    src.check_integrity()
+    dst.check_integrity()
+
+
+def test_pin_prefix_onboards_host_blocks_and_refuses_duplicates():
+    mgr = make_manager(primary=4, secondary=4)
+    a = list(range(100, 109))
+    serve(mgr, make_request(1, a))
+    mgr.remove_sequence(1)
+    serve(mgr, make_request(2, [80 + i for i in range(13)]))  # pushes the prompt's blocks to the host tier
+    mgr.remove_sequence(2)
+    assert any(b.tier == SECONDARY and b.node is not None for b in mgr.blocks)
+    slots = mgr.pin_prefix(-5, a)
+    assert len(slots) == 2
+    assert all(mgr.blocks[b].tier != SECONDARY for b in range(len(mgr.blocks)) if mgr.blocks[b].ref_count)
+    with pytest.raises(ValueError, match="already"):
+        mgr.pin_prefix(-5, a)
+    mgr.check_integrity()
+    mgr.unpin_sequence(-5)
+    mgr.check_integrity()
+    assert mgr.pin_prefix(-6, a, max_blocks=1) and len(mgr._pinned[-6]) == 1
+
+
+def test_pin_prefix_out_of_blocks_changes_nothing():
+    mgr = make_manager(primary=3, secondary=4)
+    a = list(range(100, 109))
+    serve(mgr, make_request(1, a))
+    mgr.remove_sequence(1)
+    serve(mgr, make_request(2, [7] * 12))  # still running: holds every device block, a's blocks went to the host
+    assert mgr.stats().free_num_blocks == 0
+    before = mgr.stats()
+    with pytest.raises(OutOfBlocksError):
+        mgr.pin_prefix(-1, a)
+    assert mgr.stats() == before
+    mgr.check_integrity()
+
+
+def test_contiguous_view_only_for_one_ascending_run():
+    from worker.rank import _contiguous_view
+    pool = torch.arange(10.0).reshape(10, 1)
+    view = _contiguous_view(pool, [3, 4, 5])
+    assert view is not None and view.data_ptr() == pool[3].data_ptr() and view.is_contiguous()
+    assert _contiguous_view(pool, [3, 5]) is None and _contiguous_view(pool, [4, 3]) is None
+    assert _contiguous_view(pool, []) is None

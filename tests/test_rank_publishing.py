@@ -1,0 +1,114 @@
+"""A rank's event publishing on the plain RankWorker: one numbering for polls, pushes and take_event_batch,
+replay and snapshots, the background publisher thread, and the in-process migration path."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from router.index import ApplyStatus, PrefixIndex
+from router.probe import probe
+from worker import CacheConfig
+from worker.events import BlockStored, KVCacheCreated, decode_batch
+from worker.publisher import PublishedBatch
+from worker.rank import RankNotReadyError, RankWorker
+
+T = 4
+
+
+def make_rank(rank: int = 0, world: int = 1, replay_size: int = 1024) -> RankWorker:
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=32, num_secondary_blocks=4)
+    w = RankWorker(rank, world, cfg, seed=0, replay_size=replay_size)
+    w.build_ledger(*w.local_block_counts())
+    return w
+
+
+def serve(w: RankWorker, rid: int, tokens: list[int], new: int = 0) -> dict:
+    return w.serve([{"request_id": rid, "tokens": tokens, "max_new_tokens": new}], logits="none")[0]
+
+
+def test_polls_replays_and_take_event_batch_share_one_numbering():
+    w = make_rank(replay_size=2)
+    b0 = w.poll_events()
+    assert b0.seq == 0 and isinstance(decode_batch(b0.data).events[0], KVCacheCreated)
+    assert w.poll_events() is None
+    serve(w, 1, list(range(1, 14)))
+    b1 = w.poll_events()
+    assert b1.seq == 1 and any(isinstance(e, BlockStored) for e in decode_batch(b1.data).events)
+    n, data = w.take_event_batch()           # published even when empty, and numbered like the rest
+    assert n == 2 and decode_batch(data).events == []
+    assert [b.seq for b in w.replay_events(1)] == [1, 2]
+    assert w.replay_events(0) is None        # a buffer of 2 no longer reaches batch 0
+    pending, snap = w.event_snapshot()
+    assert pending is None and snap.next_seq == 3 and len(snap.blocks) == 3
+    index = PrefixIndex(T)
+    index.load_snapshot(0, snap.blocks, snap.next_seq)
+    assert probe(index, list(range(1, 14)))[0].matched_tokens == w.probe(list(range(1, 14))) == 12
+
+
+def test_a_rank_without_a_ledger_says_so():
+    cfg = CacheConfig(tokens_per_block=T, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=4)
+    w = RankWorker(0, 1, cfg)
+    for call in (w.poll_events, w.event_snapshot, lambda: w.replay_events(0)):
+        with pytest.raises(RankNotReadyError):
+            call()
+    assert w.load()["ready"] is False
+
+
+def test_the_publisher_thread_pushes_every_batch_in_order():
+    w = make_rank()
+    got: list[PublishedBatch] = []
+    stored = threading.Event()
+
+    def sink(batch: PublishedBatch) -> None:
+        got.append(batch)
+        if any(isinstance(e, BlockStored) for e in decode_batch(batch.data).events):
+            stored.set()
+
+    assert w.start_publishing(sink, interval_s=0.001, owner="router-a")
+    assert not w.start_publishing(sink, interval_s=0.001, owner="router-a"), "same owner: already pushing"
+    serve(w, 1, list(range(30, 50)))
+    assert stored.wait(timeout=10), "the pushed batch never came"
+    w.stop_publishing()
+    assert [b.seq for b in got] == list(range(len(got)))
+    index = PrefixIndex(T)
+    for b in got:
+        assert index.apply_bytes(0, b.seq, b.data).status is ApplyStatus.APPLIED
+    assert probe(index, list(range(30, 50)))[0].matched_tokens == 16
+    with pytest.raises(ValueError):
+        w.start_publishing(sink, interval_s=0)
+
+
+def test_blocks_move_between_ranks_of_one_process():
+    a, b = make_rank(0, 2), make_rank(1, 2)
+    tokens = list(range(60, 81))
+    serve(a, 1, tokens)
+    pin, matched = a.export_begin(tokens)
+    imp, count = b.import_begin(tokens, matched)
+    assert matched == count == 5
+    assert b.import_write(imp, a.export_read(pin, matched - count)) == 5
+    assert b.probe(tokens) == 20 and serve(b, 2, tokens)["cached_tokens"] == 20
+    a.check_integrity()
+    b.check_integrity()
+    pin, matched = a.export_begin(tokens)
+    imp, count = b.import_begin(list(range(90, 111)), matched)
+    with pytest.raises(ValueError, match="shape"):
+        b.import_write(imp, torch.zeros(1))
+    a.export_end(pin)
+    b.check_integrity()
+    a.check_integrity()
+
+
+def test_serve_published_returns_the_batch_its_own_serve_caused():
+    w = make_rank()
+    assert w.poll_events().seq == 0                         # KVCacheCreated
+    (res,), batch = w.serve_published([{"request_id": 1, "tokens": list(range(5, 18)), "max_new_tokens": 2}])
+    assert res["cached_tokens"] == 0 and len(res["output_tokens"]) == 2 and "last_logits" not in res
+    assert batch.seq == 1 and [type(e) for e in decode_batch(batch.data).events] == [BlockStored]
+    assert w.poll_events() is None, "nothing left for the publisher thread"
+    (res,), batch = w.serve_published([{"request_id": 2, "tokens": list(range(5, 17)), "max_new_tokens": 0}])
+    assert res["cached_tokens"] == 11                       # all but the last token, the last block in place
+    assert batch.seq == 2 and w.poll_events() is None

@@ -1,0 +1,194 @@
+"""The router's HTTP API over real HTTP: uvicorn on 127.0.0.1 (a free port) in a thread, httpx as the client,
+in-process ranks behind it."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from router.http import HttpServer, make_app
+from router.local_backend import LocalBackend
+from router.service import RouterConfig, RouterService
+from worker.config import CacheConfig
+from worker.tokenizer import decode, encode
+
+T = 4
+PREFIX = "The quick brown fox jumps over the lazy dog. "   # 45 bytes: 11 full blocks
+
+
+@pytest.fixture(scope="module")
+def router():
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=96, num_secondary_blocks=16)
+    backend = LocalBackend.build(2, cfg)
+    service = RouterService(backend, RouterConfig(tokens_per_block=T))
+    service.sync_ranks()
+    server = HttpServer(make_app(service), port=0).start()
+    with httpx.Client(base_url=server.url, timeout=20.0) as client:
+        yield service, backend, client
+    server.stop()
+
+
+def test_binds_loopback_and_reports_health(router):
+    service, _, client = router
+    assert str(client.base_url).startswith("http://127.0.0.1:")
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "live_ranks": [0, 1]}
+
+
+def test_completions_report_the_real_reused_count(router):
+    _, backend, client = router
+    first = client.post("/v1/completions", json={"prompt": PREFIX + "Alpha?", "max_tokens": 5}).json()
+    second = client.post("/v1/completions", json={"prompt": PREFIX + "Beta!", "max_tokens": 5,
+                                                  "model": "anything"}).json()
+    assert first["object"] == "text_completion" and first["usage"]["completion_tokens"] == 5
+    assert first["usage"]["prompt_tokens"] == len(encode(PREFIX + "Alpha?"))
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert first["choices"][0]["text"] == decode(first["kvledger"]["output_token_ids"])
+    kv = second["kvledger"]
+    assert kv["rank"] == first["kvledger"]["rank"], "routed to the rank holding the shared prefix"
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == kv["cached_tokens"] >= 44
+    assert kv["computed_tokens"] + kv["cached_tokens"] == second["usage"]["prompt_tokens"]
+    assert set(kv) >= {"rank", "cached_tokens", "computed_tokens", "onboarded_blocks", "migrated_blocks"}
+    ids = client.post("/v1/completions", json={"prompt": encode(PREFIX + "Alpha?"), "max_tokens": 5,
+                                               "cache_salt": None, "priority": 80}).json()
+    assert ids["kvledger"]["output_token_ids"] == first["kvledger"]["output_token_ids"]
+    salted = client.post("/v1/completions", json={"prompt": PREFIX + "Alpha?", "max_tokens": 1,
+                                                  "cache_salt": "tenant-b"}).json()
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "a salt never shares another's KV"
+
+
+def test_route_and_probe_agree_with_the_ranks(router):
+    _, _, client = router
+    client.post("/v1/completions", json={"prompt": PREFIX + "Gamma", "max_tokens": 0})
+    prompt = PREFIX + "Delta and more"
+    d = client.post("/v1/route", json={"prompt": prompt}).json()
+    assert d["policy"] == "kv" and d["rank"] in (0, 1) and len(d["ranks"]) == 2
+    best = max(d["ranks"], key=lambda r: r["matched_tokens"])
+    assert best["matched_tokens"] == 44 and best["rank"] == d["rank"]
+    assert all(isinstance(r["score"], float) for r in d["ranks"])
+    approx = client.post("/v1/probe", json={"prompt": prompt}).json()
+    exact = client.post("/v1/probe", json={"prompt": prompt, "exact": True}).json()
+    assert exact["exact"] and not approx["exact"]
+    assert [(r["rank"], r["matched_tokens"]) for r in approx["ranks"]] == \
+           [(r["rank"], r["matched_tokens"]) for r in exact["ranks"]]
+    held = next(r for r in approx["ranks"] if r["rank"] == d["rank"])
+    assert held["tiers"] == {"GPU": 44, "CPU": 0} and exact["ranks"][0]["tiers"] is None
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": [1, -1]}, 422, "prompt"),
+    ({"prompt": [1, 2], "max_tokens": -3}, 422, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, 422, "max_tokens"),
+    ({"prompt": "x", "priority": 101}, 422, "priority"),
+    ({"prompt": "x", "temperature": 0.7}, 422, "temperature"),
+    ({"prompt": "x", "stream": True}, 422, "stream"),
+    ({"prompt": [1, 600]}, 400, "vocabulary"),
+    ({"max_tokens": 3}, 422, "prompt"),
+])
+def test_bad_requests_get_4xx_with_the_reason_and_change_nothing(router, body, status, needle):
+    service, _, client = router
+    before = service.cluster(refresh=False)
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.text
+    after = service.cluster(refresh=False)
+    assert after["router"] == before["router"]
+    assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+                       ).status_code == 422
+    assert client.get("/v1/events", params={"since": -1}).status_code == 422
+
+
+def test_events_stream_as_ndjson_and_follow_live(router):
+    service, _, client = router
+    _, nxt = service.events(0, limit=10**6)
+    lines: list[dict] = []
+
+    def read() -> None:
+        with client.stream("GET", "/v1/events", params={"since": nxt, "limit": 1, "timeout": 15}) as resp:
+            assert resp.headers["content-type"].startswith("application/x-ndjson")
+            for line in resp.iter_lines():
+                if line:
+                    lines.append(json.loads(line))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    out = client.post("/v1/completions", json={"prompt": "A new text, nothing shared here.", "max_tokens": 1}
+                      ).json()
+    reader.join(timeout=20)
+    assert not reader.is_alive()
+    assert len(lines) == 1 and lines[0]["type"] == "BlockStored" and lines[0]["id"] == nxt
+    assert lines[0]["rank"] == out["kvledger"]["rank"] and lines[0]["block_size"] == T
+    # history, one rank only, bounded by a timeout when fewer than asked exist
+    rank = out["kvledger"]["rank"]
+    r = client.get("/v1/events", params={"since": 0, "rank": rank, "timeout": 0.3})
+    got = [json.loads(x) for x in r.text.splitlines()]
+    assert got and {e["rank"] for e in got} == {rank}
+    assert [e["id"] for e in got] == sorted(e["id"] for e in got)
+
+
+def test_cluster_and_metrics(router):
+    _, _, client = router
+    client.post("/v1/completions", json={"prompt": PREFIX + "metrics", "max_tokens": 1})
+    c = client.get("/v1/cluster").json()
+    assert c["policy"] == "kv" and [r["rank"] for r in c["ranks"]] == [0, 1]
+    assert c["router"]["completions"] >= 1 and c["ranks"][0]["blocks"]["GPU"]["free"] >= 0
+    m = client.get("/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    text = m.text
+    for family in ('kvledger_blocks{rank="0",state="used",tier="GPU"}',
+                   'kvledger_blocks{rank="1",state="free",tier="CPU"}', 'kvledger_cache_hit_rate{rank="0"}', 'kvledger_events_per_second{rank="1"}',
+                   'kvledger_events_total{rank="0"}', 'kvledger_routing_decisions_total{policy="kv",rank=',
+                   "kvledger_router_hit_rate ", "kvledger_probe_latency_seconds_bucket{le=",
+                   "kvledger_probe_latency_seconds_count ", "kvledger_completions_total "):
+        assert family in text, family
+    served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("kvledger_routing_decisions_total{"))
+    assert served == c["router"]["completions"]
+
+
+def test_a_real_vllm_engines_events_show_in_probes_but_never_get_requests():
+    """A publisher written to vLLM's ZMQ framing (tests/test_router_vllm_events.py), indexed under its own rank."""
+    from test_router_vllm_events import FakeVllmPublisher, vllm_stored
+
+    from router.service import FOREIGN_RANK_BASE
+
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=32)
+    service = RouterService(LocalBackend.build(1, cfg), RouterConfig(tokens_per_block=T))
+    service.sync_ranks()
+    engine = FakeVllmPublisher()
+    server = HttpServer(make_app(service), port=0).start()
+    try:
+        rank = service.attach_vllm(f"tcp://127.0.0.1:{engine.pub_port}", f"tcp://127.0.0.1:{engine.replay_port}")
+        assert rank == FOREIGN_RANK_BASE
+        with pytest.raises(ValueError, match="already"):
+            service.attach_vllm(f"tcp://127.0.0.1:{engine.pub_port}")
+        engine.wait_subscribed()
+        tokens = encode("vLLM holds this prefix, its own way.")      # 36 tokens: 8 full blocks before the last
+        engine.publish([vllm_stored([9001, 9002], None, tokens[:8])])
+        with httpx.Client(base_url=server.url, timeout=20.0) as client:
+            deadline = time.monotonic() + 10
+            while True:
+                got = client.post("/v1/probe", json={"prompt": tokens}).json()["ranks"]
+                if got[-1]["matched_tokens"]:
+                    break
+                assert time.monotonic() < deadline, got
+                time.sleep(0.02)   # another thread's socket: nothing to wait on here
+            assert got == [{"rank": 0, "matched_tokens": 0, "tiers": {"GPU": 0, "CPU": 0}},
+                           {"rank": rank, "matched_tokens": 8, "tiers": {"GPU": 8, "CPU": 0},
+                            "vllm": f"tcp://127.0.0.1:{engine.pub_port}"}]
+            out = client.post("/v1/completions", json={"prompt": tokens, "max_tokens": 1}).json()
+            assert out["kvledger"]["rank"] == 0, "a foreign engine is indexed, never routed to"
+            foreign = client.get("/v1/cluster").json()["foreign"]
+            assert foreign == [{"rank": rank, "endpoint": f"tcp://127.0.0.1:{engine.pub_port}", "index_blocks": 2,
+                                "next_seq": 1}]
+    finally:
+        server.stop()
+        service.close()
+        engine.close()

@@ -1,0 +1,163 @@
+"""End to end on a real local Ray cluster: two rank actors, the router actor serving HTTP on 127.0.0.1,
+events pushed by the ranks' publisher threads, the HTTP API and the command line against it."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import pytest
+import torch
+
+from coordinator.cluster import Cluster
+from coordinator.config import ClusterConfig
+from coordinator.router_actor import RouterActorConfig, start_router
+from launch.cli import main as cli
+from worker import CacheConfig
+from worker.tokenizer import encode
+
+T = 8
+TIMEOUT = 60
+PREFIX = "kvledger-router-test-rank"
+SYSTEM = "You are a terse assistant. Answer with one word only, please.\n"   # 63 bytes; with "Q" 8 blocks
+SHARED = 64   # tokens of SYSTEM + "Q": the full blocks every question shares
+
+
+@pytest.fixture(scope="module")
+def routed(ray_session):
+    cache = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                        device="cpu", num_primary_blocks=128, num_secondary_blocks=16)
+    cfg = ClusterConfig(num_ranks=2, device="cpu", cache=cache, num_cpus_per_rank=0.5, name_prefix=PREFIX,
+                        group_timeout_s=30, call_timeout_s=TIMEOUT)
+    cluster = Cluster.start(cfg)
+    handle, url = start_router(cluster, RouterActorConfig(port=0), name=f"{PREFIX}-router")
+    try:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+            yield cluster, handle, client
+    finally:
+        ray_session.kill(handle, no_restart=True)
+        cluster.shutdown()
+
+
+def wait_for(cond, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)   # another process's push: nothing local to wait on
+
+
+def test_completions_reuse_a_shared_prefix_and_the_index_matches_the_ranks(routed):
+    _, _, client = routed
+    assert client.base_url.host == "127.0.0.1"
+    assert client.get("/health").json()["live_ranks"] == [0, 1]
+    first = client.post("/v1/completions", json={"prompt": SYSTEM + "Q: colour of the sky?", "max_tokens": 4})
+    assert first.status_code == 200, first.text
+    second = client.post("/v1/completions", json={"prompt": SYSTEM + "Q: colour of grass?", "max_tokens": 4}).json()
+    a, b = first.json()["kvledger"], second["kvledger"]
+    assert a["cached_tokens"] == 0 and b["rank"] == a["rank"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == b["cached_tokens"] >= SHARED
+    assert second["usage"]["prompt_tokens"] == len(encode(SYSTEM + "Q: colour of grass?"))
+    for text in (SYSTEM + "Q: anything", SYSTEM[:40], "unrelated words here, nothing shared at all"):
+        approx = client.post("/v1/probe", json={"prompt": text}).json()["ranks"]
+        exact = client.post("/v1/probe", json={"prompt": text, "exact": True}).json()["ranks"]
+        assert [(r["rank"], r["matched_tokens"]) for r in approx] == [(r["rank"], r["matched_tokens"]) for r in exact]
+    route = client.post("/v1/route", json={"prompt": SYSTEM + "Q: next"}).json()
+    assert route["rank"] == a["rank"] and max(r["matched_tokens"] for r in route["ranks"]) == SHARED
+
+
+def test_ranks_push_events_that_stream_to_monitors(routed):
+    cluster, _, client = routed
+    # served on a rank directly, not through the router: only the rank's publisher thread can tell the router
+    text = "Pushed, not flushed: the publisher thread carries these blocks."
+    (res,) = cluster.serve([{"request_id": 777, "prompt": text, "max_new_tokens": 1}], rank=1, logits="none")
+    assert res["cached_tokens"] == 0
+    wait_for(lambda: client.post("/v1/probe", json={"prompt": text}).json()["ranks"][1]["matched_tokens"] > 0,
+             "the pushed batch to reach the index")
+    r = client.get("/v1/events", params={"since": 0, "rank": 1, "timeout": 1.0})
+    events = [json.loads(line) for line in r.text.splitlines()]
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    assert stored and all(e["rank"] == 1 for e in events) and all(e["block_size"] == T for e in stored)
+    assert any(e["token_ids"] == list(encode(text))[:len(e["token_ids"])] for e in stored)
+    # follows live: a stream opened now gets the next completion's events
+    since = client.get("/v1/cluster").json()["router"]["events_logged"]
+    with client.stream("GET", "/v1/events", params={"since": since, "limit": 1, "timeout": 20}) as resp:
+        client.post("/v1/completions", json={"prompt": "fresh text that nobody cached", "max_tokens": 1})
+        lines = [json.loads(x) for x in resp.iter_lines() if x]
+    assert len(lines) == 1 and lines[0]["type"] == "BlockStored" and lines[0]["id"] == since
+
+
+def test_metrics_and_cluster(routed):
+    _, _, client = routed
+    c = client.get("/v1/cluster").json()
+    assert [r["rank"] for r in c["ranks"]] == [0, 1] and c["router"]["completions"] >= 2
+    assert c["ranks"][0]["blocks"]["GPU"]["used"] + c["ranks"][0]["blocks"]["GPU"]["free"] == 128
+    assert c["router"]["cached_tokens"] >= SHARED
+    text = client.get("/metrics").text
+    for family in ("kvledger_blocks{", "kvledger_cache_hit_rate{", "kvledger_events_per_second{",
+                   "kvledger_routing_decisions_total{", "kvledger_probe_latency_seconds_bucket{",
+                   "kvledger_router_hit_rate "):
+        assert family in text, family
+
+
+def test_command_line_route_and_monitor(routed, capsys, monkeypatch):
+    _, _, client = routed
+    monkeypatch.setenv("COLUMNS", "160")   # rich sizes the table to the (captured) terminal
+    url = str(client.base_url)
+    assert cli(["route", SYSTEM + "Q: the command line?", "--max-tokens", "3", "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert "rank " in out and "output:" in out
+    assert int(re.search(r"cached (\d+)", out).group(1)) >= SHARED
+    assert cli(["route", SYSTEM + "Q: salted", "--salt", "tenant-z", "--url", url]) == 0
+    assert "cached 0" in capsys.readouterr().out
+    assert cli(["monitor", "--json", "--seconds", "1", "--url", url]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
+    assert lines and {"id", "rank", "seq", "type"} <= set(lines[0])
+    assert cli(["monitor", "--rank", "0", "--seconds", "1", "--url", url]) == 0
+    table = capsys.readouterr().out
+    assert "events/s" in table and "GPU used/free" in table and "last events" in table
+
+
+def test_a_rank_that_dies_leaves_the_index_and_its_request_is_served_elsewhere(routed, ray_session):
+    cluster, _, client = routed
+    text = SYSTEM + "Q: who holds this one?"
+    home = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["kvledger"]["rank"]
+    ray_session.kill(cluster.actors[home], no_restart=False)     # Ray restarts it, with no ledger
+    out = client.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+    assert out.status_code == 200, out.text
+    assert out.json()["kvledger"]["rank"] != home, "served by a live rank, nothing lost"
+    c = client.get("/v1/cluster").json()
+    assert home not in [r["rank"] for r in c["ranks"]] and c["router"]["ranks_removed"] >= 1
+    assert client.get("/health").json()["live_ranks"] == [1 - home]
+    assert cluster.heal(timeout_s=TIMEOUT) == [home]                 # back, group re-formed, empty ledger
+    wait_for(lambda: client.get("/health").json()["live_ranks"] == [0, 1], "the restarted rank to rejoin")
+    for prompt in (text, SYSTEM + "Q: after the restart"):
+        client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        approx = client.post("/v1/probe", json={"prompt": prompt}).json()["ranks"]
+        exact = client.post("/v1/probe", json={"prompt": prompt, "exact": True}).json()["ranks"]
+        assert approx == [{**r, "tiers": a["tiers"]} for r, a in zip(exact, approx)]
+
+
+def test_the_router_actor_indexes_a_vllm_engine_given_on_the_command_line(routed, ray_session):
+    """``kvledger up --vllm-events`` reaches the router actor as ``RouterActorConfig.vllm_events``."""
+    from test_router_vllm_events import FakeVllmPublisher, vllm_stored
+
+    cluster, _, _ = routed
+    engine = FakeVllmPublisher()
+    endpoint = f"tcp://127.0.0.1:{engine.pub_port},tcp://127.0.0.1:{engine.replay_port}"
+    handle, url = start_router(cluster, RouterActorConfig(port=0, vllm_events=(endpoint,)),
+                               name=f"{PREFIX}-router-vllm")
+    try:
+        engine.wait_subscribed(timeout_ms=20_000)
+        tokens = encode(SYSTEM + "Q: vllm")
+        engine.publish([{**vllm_stored([71, 72], None, tokens[:2 * T]), "block_size": T}])
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+            held = wait_for(lambda: [r for r in client.post("/v1/probe", json={"prompt": tokens}).json()["ranks"]
+                                     if r.get("vllm") and r["matched_tokens"]], "the vLLM engine's blocks")
+            assert held[0]["matched_tokens"] == 2 * T and held[0]["vllm"].startswith("tcp://127.0.0.1:")
+    finally:
+        ray_session.kill(handle, no_restart=True)
+        engine.close()

@@ -1,0 +1,197 @@
+"""The router service over real in-process ranks (RankWorker: ledger, reference engine, event publisher).
+
+No Ray, no HTTP: every rank call is a direct call, so what is checked here is
+the router's logic -- events to index, catch-up by replay and snapshot, routing
+on the index, migration, and a rank dying mid-request.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from router.index import ApplyStatus
+from router.local_backend import LocalBackend
+from router.policies import NoLiveRankError, make_policy
+from router.service import RouterConfig, RouterService
+from worker.config import CacheConfig
+
+T = 4
+
+
+def make_backend(ranks: int = 2, primary: int = 48, secondary: int = 16, replay_size: int = 1024) -> LocalBackend:
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=primary, num_secondary_blocks=secondary)
+    return LocalBackend.build(ranks, cfg, replay_size=replay_size)
+
+
+def make_service(backend: LocalBackend, policy: str = "kv", **kw) -> RouterService:
+    svc = RouterService(backend, RouterConfig(tokens_per_block=T, policy=policy, **kw))
+    svc.sync_ranks()
+    return svc
+
+
+def assert_index_agrees(svc: RouterService, prompts, **kw) -> None:
+    for p in prompts:
+        approx = {r: m.matched_tokens for r, m in svc.probe(p, exact=False, **kw).items()}
+        exact = {r: m.matched_tokens for r, m in svc.probe(p, exact=True, **kw).items()}
+        assert approx == exact, f"index {approx} vs ledgers {exact} for prompt of {len(p)} tokens"
+
+
+def test_shared_prefix_goes_where_it_is_cached_and_reuses_it():
+    svc = make_service(make_backend())
+    prefix = list(range(1, 33))
+    first = svc.complete(prefix + [40, 41, 42], max_tokens=4)
+    second = svc.complete(prefix + [50, 51], max_tokens=4)
+    assert first.cached_tokens == 0 and first.computed_tokens == 35
+    assert second.rank == first.rank, "the kv policy sends the prompt to the rank holding its prefix"
+    assert second.cached_tokens >= 32 and second.decision.matched_tokens[first.rank] == 32
+    assert second.prompt_tokens == 34 and len(second.output_tokens) == 4
+    again = svc.complete(prefix + [40, 41, 42], max_tokens=4)
+    assert again.output_tokens == first.output_tokens, "reused KV gives the same greedy tokens"
+    summary = svc.cluster()
+    assert summary["router"]["completions"] == 3 and summary["router"]["cached_tokens"] > 0
+    busy = next(r for r in summary["ranks"] if r["rank"] == first.rank)
+    assert busy["completions"] == 3 and busy["index_blocks"] > 0 and busy["events_total"] > 0
+    assert busy["blocks"]["GPU"]["free"] == 48 and busy["cache_hit_rate"] > 0
+
+
+def test_index_equals_the_ledgers_after_a_mixed_workload():
+    """The issue's check: with no events in flight, probe(exact=False) == probe(exact=True)."""
+    backend = make_backend(ranks=3, primary=40, secondary=12)
+    svc = make_service(backend)
+    rng = random.Random(7)
+    stems = [[rng.randrange(256) for _ in range(rng.randrange(8, 30))] for _ in range(5)]
+    prompts = []
+    for i in range(40):
+        p = rng.choice(stems) + [rng.randrange(256) for _ in range(rng.randrange(1, 14))]
+        kw = rng.choice([{}, {}, {"cache_salt": "tenant-a"}, {"lora_id": 3}])
+        svc.complete(p, max_tokens=rng.randrange(0, 6), priority=rng.choice([None, 10, 35, 80]), **kw)
+        prompts.append((p, kw))
+        if i % 9 == 4:   # a rank serving outside the router: its events arrive by the push path, out of order
+            w = backend.worker(i % 3)
+            w.serve([{"request_id": 10_000 + i, "tokens": p[::-1], "max_new_tokens": 2}], logits="none")
+            a = w.poll_events()
+            w.serve([{"request_id": 20_000 + i, "tokens": p[::-1] + [9] * 8, "max_new_tokens": 1}], logits="none")
+            b = w.poll_events()
+            assert svc.ingest(w.rank, b.seq, b.data).status is ApplyStatus.APPLIED   # caught up by replay
+            assert svc.ingest(w.rank, a.seq, a.data).status is ApplyStatus.DUPLICATE
+            prompts.append((p[::-1], {}))
+    stats = [backend.worker(r).manager.stats() for r in range(3)]
+    assert sum(s.offloaded_blocks for s in stats) > 0, "the workload must push blocks to the host tier"
+    assert svc.index.stats.replays_requested > 0
+    for p, kw in prompts[::2] + [(s + [1, 2, 3], {}) for s in stems]:
+        assert_index_agrees(svc, [p], **kw)
+    for r in range(3):
+        backend.worker(r).check_integrity()
+
+
+def test_a_router_that_starts_late_rebuilds_from_snapshots_and_replays():
+    backend = make_backend(replay_size=2)
+    early = make_service(backend)
+    prompts = [[k] * 5 + list(range(k, k + 20)) for k in range(1, 6)]
+    for p in prompts:
+        early.complete(p, max_tokens=2)
+    late = RouterService(backend, RouterConfig(tokens_per_block=T))
+    assert late.probe(prompts[0])[0].matched_tokens == 0   # has heard nothing yet
+    late.sync_ranks()
+    assert_index_agrees(late, prompts)
+    # a rank's batch number far ahead of the (gone) replay buffer: snapshot again
+    w = backend.worker(0)
+    for i in range(4):
+        w.serve([{"request_id": 500 + i, "tokens": [200 + i] * 9, "max_new_tokens": 0}], logits="none")
+        batch = w.poll_events()
+    fresh = RouterService(backend, RouterConfig(tokens_per_block=T))
+    res = fresh.ingest(0, batch.seq, batch.data)
+    assert res.status is ApplyStatus.SNAPSHOT and res.next_seq == batch.seq + 1
+    assert fresh.probe([203] * 9)[0].matched_tokens == 8
+
+
+def test_a_rank_that_dies_is_dropped_at_once_and_its_request_served_elsewhere():
+    backend = make_backend(ranks=3)
+    svc = make_service(backend)
+    prefix = list(range(100, 140))
+    home = svc.complete(prefix + [1], max_tokens=2).rank
+    assert svc.index.num_blocks(home) > 0
+    backend.crash(home)                       # the backend learns only on its next call to that rank
+    out = svc.complete(prefix + [2], max_tokens=2)
+    assert out.rank != home and out.retries == 1 and len(out.output_tokens) == 2
+    assert svc.index.num_blocks(home) == 0 and home not in svc.index.ranks()
+    assert home not in [r["rank"] for r in svc.cluster()["ranks"]]
+    assert svc.probe(prefix + [3])[out.rank].matched_tokens == 40
+    assert [e.event["type"] for e in svc.events(0, rank=home)[0]][-1] == "RankRemoved"
+    # it comes back restarted, with an empty ledger numbered from 0 again
+    backend.restart(home)
+    svc.sync_ranks()
+    assert home in svc.index.ranks() and svc.index.num_blocks(home) == 0
+    assert_index_agrees(svc, [prefix + [4]])
+
+
+def test_no_live_rank_and_bad_input_change_nothing():
+    backend = make_backend(ranks=1)
+    svc = make_service(backend)
+    before = svc.cluster()["router"]
+    for bad, exc in [([], ValueError), ([1, -2, 3], ValueError), ([1, 512], ValueError), ("text", TypeError)]:
+        with pytest.raises(exc):
+            svc.complete(bad)
+    with pytest.raises(ValueError, match="max_tokens"):
+        svc.complete([1, 2, 3], max_tokens=-1)
+    with pytest.raises(ValueError):
+        svc.complete([1, 2, 3], priority=101)
+    assert svc.cluster()["router"] == before
+    backend.crash(0)
+    with pytest.raises(NoLiveRankError):
+        svc.complete([1, 2, 3])
+    with pytest.raises(NoLiveRankError):
+        svc.route([1, 2, 3])
+
+
+def test_a_loaded_best_rank_hands_its_prefix_over_by_migration():
+    backend = make_backend(ranks=2, primary=200)
+    policy = make_policy("kv", migrate_setup_s=0.0, migrate_s_per_block=1e-9)
+    svc = RouterService(backend, RouterConfig(tokens_per_block=T), policy=policy)
+    svc.sync_ranks()
+    shared = list(range(10, 58))                        # 12 blocks
+    home = svc.complete(shared + [1], max_tokens=1).rank
+    other = 1 - home
+    backend.worker(other).serve([{"request_id": 900, "tokens": shared[:16] + [1]}], logits="none")
+    svc.flush(other)                                    # the other rank holds the first 4 blocks itself
+    busy = threading.Thread(target=svc.complete, args=(shared + [2] * 8,), kwargs={"max_tokens": 400})
+    busy.start()                                       # the same prefix: the kv policy sends it home too
+    try:
+        deadline = time.monotonic() + 10
+        while svc.cluster(refresh=False)["ranks"][home]["inflight_requests"] == 0:
+            assert time.monotonic() < deadline, "the long request never showed up in flight"
+            time.sleep(0.001)
+        decision = svc.route(shared + [3], max_tokens=1)
+        out = svc.complete(shared + [3], max_tokens=1)
+    finally:
+        busy.join(timeout=30)
+    assert decision.rank == other and decision.migrate_from == home and decision.migrate_blocks == 8
+    assert out.rank == other and out.migrated_blocks == 8 and out.cached_tokens >= 48
+    assert_index_agrees(svc, [shared + [3]])
+    assert svc.cluster()["router"]["migrated_blocks"] == 8
+
+
+def test_events_are_logged_for_monitors_and_can_be_waited_for():
+    svc = make_service(make_backend())
+    recs, nxt = svc.events(0)
+    assert {r.event["type"] for r in recs} == {"KVCacheCreated", "Snapshot"}
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(svc.wait_events(nxt, timeout=5)))
+    t.start()
+    out = svc.complete(list(range(1, 20)), max_tokens=1)
+    t.join(timeout=10)
+    (recs2, nxt2), = got
+    assert recs2 and recs2[0].id == nxt and recs2[0].event["type"] == "BlockStored"
+    assert all(r.rank == out.rank for r in recs2)
+    assert svc.events(nxt2)[0] == [] and svc.wait_events(nxt2, timeout=0.05) == ([], nxt2)
+    only_other, _ = svc.events(0, rank=1 - out.rank)
+    assert {r.rank for r in only_other} == {1 - out.rank}
+    d = recs2[0].to_dict()
+    assert d["type"] == "BlockStored" and d["rank"] == out.rank and d["block_size"] == T
+    with pytest.raises(ValueError):
+        svc.events(-1)

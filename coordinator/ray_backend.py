@@ -18,15 +18,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from coordinator.cluster import Cluster
 from coordinator.migration import Migrator
-from router.backend import RankDiedError, RankLoad, ServeOutcome
-from worker.publisher import PublishedBatch, Snapshot
+from router.backend import RankDiedError, RankMethodsBackend
 from worker.rank import RankNotReadyError
-from worker.request import Request
 
 logger = logging.getLogger(__name__)
 
 
-class RayBackend:
+class RayBackend(RankMethodsBackend):
     """``RankBackend`` over rank actor handles, by rank (see the module docstring)."""
 
     def __init__(self, cluster: Cluster, quick_timeout_s: float = 10.0) -> None:
@@ -35,7 +33,7 @@ class RayBackend:
         self.cluster = cluster
         self.actors = list(cluster.actors)
         self.migrator = Migrator(cluster)
-        self.call_timeout_s = cluster.config.call_timeout_s
+        self.long_call_timeout_s = cluster.config.call_timeout_s
         self.quick_timeout_s = quick_timeout_s
         self._down: set[int] = set()
         self._lock = threading.Lock()
@@ -93,29 +91,6 @@ class RayBackend:
     def ranks(self) -> list[int]:
         with self._lock:
             return [r for r in range(len(self.actors)) if r not in self._down]
-
-    def serve(self, rank: int, request: Request) -> ServeOutcome:
-        (out,), batch = self._call(rank, "serve_published", [request], "none", timeout=self.call_timeout_s)
-        return ServeOutcome.from_dict(out, batch)
-
-    def load(self, rank: int) -> RankLoad:
-        load = self._call(rank, "load")
-        if not load["ready"]:
-            self.mark_down(rank)
-            raise RankDiedError(rank, "it has no ledger")
-        return RankLoad.from_dicts(load, None if "cache_hit_rate" in load else self._call(rank, "stats"))
-
-    def probe_exact(self, rank: int, tokens: Sequence[int], lora_id: int | None, cache_salt: str | None) -> int:
-        return self._call(rank, "probe", list(tokens), lora_id, cache_salt)
-
-    def poll(self, rank: int) -> PublishedBatch | None:
-        return self._call(rank, "poll_events")
-
-    def replay(self, rank: int, from_seq: int) -> list[PublishedBatch] | None:
-        return self._call(rank, "replay_events", from_seq)
-
-    def snapshot(self, rank: int) -> tuple[PublishedBatch | None, Snapshot]:
-        return self._call(rank, "event_snapshot", timeout=self.call_timeout_s)
 
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None, lora_id: int | None,
                 cache_salt: str | None) -> int:

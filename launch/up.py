@@ -60,14 +60,16 @@ def _where(state: ClusterState) -> str:
 
 def _start_router(cluster, host: str, port: int, detached: bool, out: Callable[[str], None],
                   policy: str = "kv", vllm_events: Sequence[str] = ()):
-    """Start the router actor (HTTP API) over the ranks; ``(name, url)``, or ``(None, None)`` when it cannot."""
+    """Start the router actor (HTTP API) over the ranks; ``(handle, url)``, or ``(None, None)`` when it cannot.
+
+    Keep the handle while the router is wanted: Ray ends a non-detached actor once no handle to it is left.
+    """
     try:
         from coordinator.router_actor import ROUTER_NAME, RouterActorConfig, start_router
         from router.service import RouterConfig
         config = RouterActorConfig(host=host, port=port, router=RouterConfig(policy=policy),
                                    vllm_events=tuple(vllm_events))
-        _handle, url = start_router(cluster, config, detached=detached)
-        return ROUTER_NAME, url
+        return start_router(cluster, config, name=ROUTER_NAME, detached=detached)
     except Exception as e:  # the ranks stay usable from Python; say why the HTTP API is missing
         out(f"the router did not start ({type(e).__name__}: {e}); the cluster is reachable from Python only")
         return None, None
@@ -79,7 +81,7 @@ def _kill_router(name: str | None, namespace: str) -> None:
         return
     try:
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-    except Exception:  # already gone
+    except ValueError:  # no actor of that name: already gone
         pass
 
 
@@ -91,6 +93,7 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
 
     from coordinator.cluster import Cluster
     from coordinator.ray_env import init_ray
+    from coordinator.router_actor import ROUTER_NAME
 
     existing = ClusterState.load()
     if workload is None and existing is not None and is_alive(existing.owner_pid, existing.owner_start):
@@ -103,6 +106,7 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
     init_ray(address=address, num_cpus=num_cpus, namespace=config.namespace, log_to_driver=False)
     cluster = None
     router_name = None
+    router_actor = None  # the router's handle: holding it keeps a non-detached router alive
     try:
         t0 = time.perf_counter()
         cluster = Cluster.start(config)
@@ -111,12 +115,19 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
             f"agreed block counts (device, host) = {cluster.block_counts}")
         if workload is not None:
             from launch.workload import run_bundled
-            run_bundled(cluster, out)
+            # A one-shot run takes any free port, so it never collides with a cluster already serving.
+            router_actor, router_url = _start_router(cluster, host, 0, False, out, policy, vllm_events)
+            if router_actor is None:
+                return 1
+            router_name = ROUTER_NAME
+            out(f"router on {router_url} (policy {policy})")
+            run_bundled(cluster, router_url, out)
             return 0
         router_url = None
         if router:
-            router_name, router_url = _start_router(cluster, host, port, config.detached, out, policy,
-                                                    vllm_events)
+            router_actor, router_url = _start_router(cluster, host, port, config.detached, out, policy,
+                                                     vllm_events)
+            router_name = ROUTER_NAME if router_actor is not None else None
         node = ray._private.worker._global_node
         pids = _ray_pids() if address is None else []
         state = ClusterState(address=node.gcs_address if node is not None else address,

@@ -1,12 +1,16 @@
-"""The bundled workload: a few prompts sharing prefixes, routed to the rank that holds the most of each.
+"""The bundled workload: a few prompts sharing prefixes, sent through the router's HTTP API.
 
-Routing here is the exact probe (longest cached prefix, ties round-robin) until
-the router's policies are wired to the cluster. The last step pulls a shared
-prefix to a rank that lacks it (a KV migration) instead of computing it again.
+Each request goes where the router's policy says (``kv`` by default: the
+rank that holds most of the prompt, unless it is loaded); the router probes its
+index, built from the ranks' events, before each one. Then a shared prefix is
+pulled to a rank that lacks it (a KV migration between ranks) and a request
+for it is routed again: the index now shows both ranks holding it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import httpx
 
 from coordinator.cluster import Cluster
 from coordinator.migration import Migrator
@@ -22,35 +26,49 @@ BUNDLED = [
     SYSTEM + "Q: What is a KV cache? Explain again.",
     "An unrelated prompt that shares nothing with the others.",
 ]
+MIGRATED = SYSTEM + DOCS + "Q: Where did this prefix come from?"
 MAX_NEW_TOKENS = 8
+TIMEOUT_S = 120.0
 
 
-def run_bundled(cluster: Cluster, out: Callable[[str], None] = print) -> list[dict]:
-    """Serve the bundled prompts one by one on the best-probing rank, then migrate a prefix; returns results."""
+def _probe(client: httpx.Client, text: str) -> list[int]:
+    r = client.post("/v1/probe", json={"prompt": text})
+    r.raise_for_status()
+    return [x["matched_tokens"] for x in r.json()["ranks"]]
+
+
+def _complete(client: httpx.Client, text: str, out: Callable[[str], None], i: int) -> dict:
+    probe = _probe(client, text)
+    r = client.post("/v1/completions", json={"prompt": text, "max_tokens": MAX_NEW_TOKENS})
+    r.raise_for_status()
+    body = r.json()
+    k = body["kvledger"]
+    out(f"{i:>3} {k['rank']:>4} {k['cached_tokens']:>6} {k['computed_tokens']:>8} {str(probe):<18} "
+        f"{body['choices'][0]['text']!r}")
+    return k
+
+
+def run_bundled(cluster: Cluster, router_url: str, out: Callable[[str], None] = print) -> list[dict]:
+    """Send the bundled prompts through the router at ``router_url``, then migrate a prefix; returns the answers."""
     results = []
-    out(f"{'req':>3} {'rank':>4} {'cached':>6} {'computed':>8} {'probe per rank':<18} output")
-    for i, text in enumerate(BUNDLED):
-        tokens = encode(text)
-        rank, matched = cluster.best_rank(tokens)
-        (res,) = cluster.serve([{"request_id": i, "tokens": tokens, "max_new_tokens": MAX_NEW_TOKENS}], rank=rank,
-                               logits="none")
-        results.append(res)
-        out(f"{i:>3} {res['rank']:>4} {res['cached_tokens']:>6} {res['computed_tokens']:>8} {str(matched):<18} "
-            f"{decode(res['output_tokens'])!r}")
-    if len(cluster.actors) > 1:
-        tokens = encode(SYSTEM + DOCS + "Q: Where did this prefix come from?")
-        matched = cluster.probe(tokens)
-        src = max(range(len(matched)), key=lambda r: matched[r])
-        dst = min(range(len(matched)), key=lambda r: matched[r])
-        if src != dst and matched[src] > 0:
-            m = Migrator(cluster).migrate(tokens, src=src, dst=dst)
-            out(f"migrated {m.sent_blocks} blocks ({m.bytes} bytes) of a shared prefix from rank {src} to rank {dst} "
-                f"in {m.seconds * 1e3:.1f} ms")
-            (res,) = cluster.serve([{"request_id": len(BUNDLED), "tokens": tokens,
-                                     "max_new_tokens": MAX_NEW_TOKENS}], rank=dst, logits="none")
-            results.append(res)
-            out(f"{len(BUNDLED):>3} {res['rank']:>4} {res['cached_tokens']:>6} {res['computed_tokens']:>8} "
-                f"{str(cluster.probe(tokens)):<18} {decode(res['output_tokens'])!r}")
+    with httpx.Client(base_url=router_url, timeout=TIMEOUT_S) as client:
+        out(f"{'req':>3} {'rank':>4} {'cached':>6} {'computed':>8} {'index probe':<18} output")
+        for i, text in enumerate(BUNDLED):
+            results.append(_complete(client, text, out, i))
+        if len(cluster.actors) > 1:
+            matched = cluster.probe(encode(MIGRATED))
+            src = max(range(len(matched)), key=lambda r: matched[r])
+            dst = min(range(len(matched)), key=lambda r: matched[r])
+            if src != dst and matched[src] > 0:
+                m = Migrator(cluster).migrate(encode(MIGRATED), src=src, dst=dst)
+                out(f"migrated {m.sent_blocks} blocks ({m.bytes} bytes) of a shared prefix from rank {src} to "
+                    f"rank {dst} in {m.seconds * 1e3:.1f} ms")
+                (res,) = cluster.serve([{"request_id": len(BUNDLED), "tokens": encode(MIGRATED),
+                                         "max_new_tokens": MAX_NEW_TOKENS}], rank=dst, logits="none")
+                results.append(res)
+                out(f"{len(BUNDLED):>3} {dst:>4} {res['cached_tokens']:>6} {res['computed_tokens']:>8} "
+                    f"{str(_probe(client, MIGRATED)):<18} {decode(res['output_tokens'])!r}  (on rank {dst}, "
+                    "from the migrated blocks)")
     cached = sum(r["cached_tokens"] for r in results)
     total = cached + sum(r["computed_tokens"] for r in results)
     out(f"{len(results)} requests, {cached} of {total} prompt tokens served from cache ({cached / total:.0%})")

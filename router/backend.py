@@ -9,9 +9,10 @@ stops listing that rank in ``ranks()`` until it is back.
 """
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from worker.publisher import PublishedBatch, Snapshot
 from worker.request import Request
@@ -112,3 +113,46 @@ class RankBackend(Protocol):
                 cache_salt: str | None) -> int:
         """Move the prefix blocks of ``tokens`` that ``src`` holds to ``dst``; returns the blocks sent."""
         ...
+
+
+class RankMethodsBackend(abc.ABC):
+    """The ``RankBackend`` methods that are one call of a ``RankWorker`` method, over ``_call``.
+
+    A backend says how to reach a rank's worker (``_call``: in this process, or
+    an actor call with a timeout) and how to migrate; the mapping from the
+    router's questions to worker methods lives here once.
+    """
+
+    long_call_timeout_s: float | None = None
+    """Timeout for the calls that do real work (serve, snapshot); ``None`` = the backend's default."""
+
+    @abc.abstractmethod
+    def _call(self, rank: int, method: str, *args: object, timeout: float | None = None) -> Any:
+        """``rank``'s worker's ``method(*args)``; raises ``RankDiedError`` when the rank is lost."""
+
+    @abc.abstractmethod
+    def mark_down(self, rank: int) -> None:
+        """Stop listing ``rank`` until the backend sees it back."""
+
+    def serve(self, rank: int, request: Request) -> ServeOutcome:
+        (out,), batch = self._call(rank, "serve_published", [request], "none", timeout=self.long_call_timeout_s)
+        return ServeOutcome.from_dict(out, batch)
+
+    def load(self, rank: int) -> RankLoad:
+        load = self._call(rank, "load")
+        if not load["ready"]:
+            self.mark_down(rank)
+            raise RankDiedError(rank, "it has no ledger")
+        return RankLoad.from_dicts(load, None if "cache_hit_rate" in load else self._call(rank, "stats"))
+
+    def probe_exact(self, rank: int, tokens: Sequence[int], lora_id: int | None, cache_salt: str | None) -> int:
+        return self._call(rank, "probe", list(tokens), lora_id, cache_salt)
+
+    def poll(self, rank: int) -> PublishedBatch | None:
+        return self._call(rank, "poll_events")
+
+    def replay(self, rank: int, from_seq: int) -> list[PublishedBatch] | None:
+        return self._call(rank, "replay_events", from_seq)
+
+    def snapshot(self, rank: int) -> tuple[PublishedBatch | None, Snapshot]:
+        return self._call(rank, "event_snapshot", timeout=self.long_call_timeout_s)

@@ -12,13 +12,11 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-from router.backend import RankDiedError, RankLoad, ServeOutcome
+from router.backend import RankDiedError, RankMethodsBackend
 from worker.config import CacheConfig
-from worker.publisher import PublishedBatch, Snapshot
 from worker.rank import RankNotReadyError, RankWorker
-from worker.request import Request
 
-class LocalBackend:
+class LocalBackend(RankMethodsBackend):
     """``RankBackend`` over ``RankWorker`` objects of this process (see the module docstring)."""
 
     def __init__(self, workers: Sequence[RankWorker]) -> None:
@@ -80,7 +78,11 @@ class LocalBackend:
             raise RankDiedError(rank, "no such rank")
         return w
 
-    def _call(self, rank: int, method: str, *args):
+    def mark_down(self, rank: int) -> None:
+        with self._lock:
+            self._down.add(rank)
+
+    def _call(self, rank: int, method: str, *args, timeout: float | None = None):
         w = self._get(rank)
         try:
             return getattr(w, method)(*args)
@@ -92,28 +94,6 @@ class LocalBackend:
     def ranks(self) -> list[int]:
         with self._lock:
             return sorted(r for r in self._workers if r not in self._down)
-
-    def serve(self, rank: int, request: Request) -> ServeOutcome:
-        (out,), batch = self._call(rank, "serve_published", [request], "none")
-        return ServeOutcome.from_dict(out, batch)
-
-    def load(self, rank: int) -> RankLoad:
-        load = self._call(rank, "load")
-        if not load["ready"]:
-            raise RankDiedError(rank, "it has no ledger")
-        return RankLoad.from_dicts(load, None if "cache_hit_rate" in load else self._call(rank, "stats"))
-
-    def probe_exact(self, rank: int, tokens: Sequence[int], lora_id: int | None, cache_salt: str | None) -> int:
-        return self._call(rank, "probe", list(tokens), lora_id, cache_salt)
-
-    def poll(self, rank: int) -> PublishedBatch | None:
-        return self._call(rank, "poll_events")
-
-    def replay(self, rank: int, from_seq: int) -> list[PublishedBatch] | None:
-        return self._call(rank, "replay_events", from_seq)
-
-    def snapshot(self, rank: int) -> tuple[PublishedBatch | None, Snapshot]:
-        return self._call(rank, "event_snapshot")
 
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None, lora_id: int | None,
                 cache_salt: str | None) -> int:

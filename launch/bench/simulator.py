@@ -339,7 +339,6 @@ class Simulator:
         job = rank.queue[0]
         req = job.req
         mgr = rank.mgr
-        T = self.config.tokens_per_block
         # Capacity: the whole request (prompt and decode) must fit. ``blocks_total`` over-counts the
         # blocks it will share with running requests, so only when that rough test fails ask the ledger.
         free = mgr.stats().free_num_blocks

@@ -14,6 +14,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from launch.bench.simulator import SimCosts
+from launch.bench.tiny import (CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, TINY_BLOCK_SIZE,
+                               TinyOptions)
 
 _COST_HELP = {
     "prefill_tokens_per_s": "prompt tokens one rank computes per second",
@@ -60,26 +62,33 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser(
         "bench", help="replay a request trace through the router and ledgers, every policy side by side",
         description="Replay a Mooncake trace (or a synthetic one) through the real router (index, probe, policy) "
-                    "and one metadata-only ledger per rank, in simulated time; report hit rate against the "
-                    "infinite-cache and pooled-LRU bounds, TTFT, load balance and throughput per policy.")
+                    "and one metadata-only ledger per rank, in simulated time (--engine sim), or over HTTP "
+                    "through a real local cluster running the reference engine, times measured (--engine tiny); "
+                    "report hit rate against the infinite-cache and pooled-LRU bounds, TTFT, load balance and "
+                    "throughput per policy.")
     p.add_argument("--trace", default="synthetic", metavar="FILE|synthetic",
                    help="Mooncake JSONL file, or 'synthetic' (seeded multi-turn, multi-tenant chats; default)")
     p.add_argument("--ranks", type=_positive_int, default=4, help="ranks, one ledger each (default 4)")
-    p.add_argument("--policy", default="all", metavar="NAME|all",
-                   help="routing policy, or 'all' to run every policy on the same trace (default all)")
+    p.add_argument("--policy", default="all", metavar="NAME[,NAME...]|all",
+                   help="routing policy, several separated by commas, or 'all' to run every policy on the same "
+                        "trace (default all)")
     p.add_argument("--capacity-blocks", type=_positive_int, default=None, metavar="M",
                    help="device blocks per rank (default: the ranks together hold a quarter of the trace's "
                         "unique blocks, at least two of its largest requests each)")
     p.add_argument("--host-blocks", type=_nonneg_int, default=0, metavar="M",
                    help="host-tier blocks per rank, for offload and onboarding (default 0)")
     p.add_argument("--tokens-per-block", type=_positive_int, default=None, metavar="T",
-                   help="ledger block size (default: 512 for a Mooncake trace, 64 for synthetic)")
-    p.add_argument("--engine", default="sim", help="sim (simulated time, metadata-only ledgers); "
-                                                   "tiny needs the local cluster and is not available yet")
+                   help="ledger block size (default: 512 for a Mooncake trace, 64 for synthetic; "
+                        f"{TINY_BLOCK_SIZE} with --engine tiny)")
+    p.add_argument("--engine", default="sim", metavar="sim|tiny",
+                   help="sim: simulated time, metadata-only ledgers (default); tiny: a real local cluster per "
+                        "policy (rank actors, reference engine, router over HTTP on 127.0.0.1), times measured "
+                        "(TTFT = completion latency; prompts and outputs capped, see --max-input-tokens)")
     p.add_argument("--speed", type=_positive_float, default=1.0, metavar="X",
                    help="replay X times faster than the trace's timestamps (default 1)")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="K",
-                   help="first K requests only (synthetic: how many to generate, default 1000)")
+                   help="first K requests only (synthetic: how many to generate, default 1000; "
+                        f"--engine tiny: default {DEFAULT_LIMIT})")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace and of the policies' "
                                                        "tie-breaking (default 0)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every figure to this JSON file")
@@ -91,6 +100,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="let ledgers reuse partly matching blocks (off: block granularity, like the bounds)")
     p.add_argument("--no-migration", action="store_true", help="never let the kv policy migrate a prefix")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--max-input-tokens", type=_positive_int, default=MAX_INPUT_TOKENS, metavar="N",
+                   help=f"--engine tiny: prompts cut to their first N tokens (default {MAX_INPUT_TOKENS})")
+    p.add_argument("--max-output-tokens", type=_nonneg_int, default=MAX_OUTPUT_TOKENS, metavar="N",
+                   help=f"--engine tiny: outputs capped at N tokens (default {MAX_OUTPUT_TOKENS})")
+    p.add_argument("--concurrency", type=_positive_int, default=CONCURRENCY, metavar="N",
+                   help=f"--engine tiny: threads sending requests, the most in flight at once (default {CONCURRENCY})")
     defaults = SimCosts()
     for f in fields(SimCosts):
         p.add_argument("--" + f.name.replace("_", "-"), type=float, default=getattr(defaults, f.name),
@@ -132,7 +147,10 @@ def run_bench(args: argparse.Namespace) -> int:
                              host_blocks=args.host_blocks * args.ranks,
                              tokens_per_block=args.tokens_per_block, engine=args.engine, speed=args.speed,
                              limit=args.limit, seed=args.seed, partial_reuse=args.partial_reuse,
-                             migration=not args.no_migration, jobs=args.jobs, costs=_costs(args))
+                             migration=not args.no_migration, jobs=args.jobs, costs=_costs(args),
+                             tiny=TinyOptions(max_input_tokens=args.max_input_tokens,
+                                              max_output_tokens=args.max_output_tokens,
+                                              concurrency=args.concurrency))
         _check_outputs(args.json, args.plot)
     except ValueError as e:
         print(f"kvledger bench: error: {e}", file=sys.stderr)
@@ -154,15 +172,26 @@ def run_bench(args: argparse.Namespace) -> int:
     sim = result.sim
     title = (f"{result.trace.name}: {len(result.trace.requests)} requests, {sim.ranks} ranks, "
              f"{sim.capacity_blocks} blocks of {sim.tokens_per_block} tokens, speed {sim.speed:g}")
+    tiny = result.engine == "tiny"
+    if tiny:
+        title += (f", engine tiny (measured; prompts <= {config.tiny.max_input_tokens}, "
+                  f"outputs <= {config.tiny.max_output_tokens} tokens)")
     out = Console()
     if not out.is_terminal:
         out = Console(width=160)
     out.print(report.render_table(result.bounds, result.summaries, title))
     print(f"replayed in {result.wall_s:.1f} s wall")
+    if tiny:
+        print("engine tiny: TTFT and e2e are the measured completion latency from the scheduled arrival (the API "
+              "does not stream); load = seconds each rank had a request in flight")
+        for name, e in result.extra["tiny"]["policies"].items():  # type: ignore[index, union-attr]
+            if e["failed"] or e["inconsistent"]:
+                print(f"{name}: {e['failed']} request(s) failed, {e['inconsistent']} with cached + computed != "
+                      f"prompt tokens; first errors: {e['errors']}", file=sys.stderr)
     if args.json:
         report.write_json(args.json, report.to_json(result.meta(), result.bounds, result.summaries))
         print(f"wrote {args.json}")
     if args.plot:
-        report.write_plot(args.plot, result.bounds, result.summaries, result.runs, title)
+        report.write_plot(args.plot, result.bounds, result.summaries, result.runs, title, measured=tiny)
         print(f"wrote {args.plot}")
     return 0

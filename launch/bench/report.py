@@ -110,8 +110,9 @@ def render_table(bounds: Bounds, summaries: dict[str, PolicySummary], title: str
 
 
 def write_plot(path: str | Path, bounds: Bounds, summaries: dict[str, PolicySummary],
-               runs: dict[str, PolicyRun], title: str) -> None:
-    """Hit rate (with both bounds) and TTFT percentiles per policy on top; per-rank load over time below."""
+               runs: dict[str, PolicyRun], title: str, measured: bool = False) -> None:
+    """Hit rate (with both bounds) and TTFT percentiles per policy on top; per-rank load over time below
+    (``measured``: wall-clock time of a real replay, ``--engine tiny``, rather than simulated time)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -152,9 +153,10 @@ def write_plot(path: str | Path, bounds: Bounds, summaries: dict[str, PolicySumm
         for r, series in enumerate(run.load_series):
             ax.plot(t, np.asarray(series) * 100, lw=1, label=f"rank {r}")
         s = summaries[name]
-        ax.set_title(f"{name}: prefill busy per rank (max/mean {s.load_imbalance:.2f})", fontsize=9)
+        what = "request in flight" if measured else "prefill busy"
+        ax.set_title(f"{name}: {what} per rank (max/mean {s.load_imbalance:.2f})", fontsize=9)
         ax.set_ylim(0, 105)
-        ax.set_xlabel("simulated time (s)")
+        ax.set_xlabel("wall-clock time (s)" if measured else "simulated time (s)")
         if k % cols == 0:
             ax.set_ylabel("busy (%)")
         if k == 0:

@@ -32,7 +32,7 @@ class BenchConfig:
     """A Mooncake JSONL file, or ``synthetic`` for the seeded generator."""
     ranks: int = 4
     policy: str = "all"
-    """A policy name, or ``all`` (every registered policy on the same trace)."""
+    """A policy name, names separated by commas, or ``all`` (every registered policy on the same trace)."""
     capacity_blocks: int | None = None
     """Device blocks of the whole cluster; None = a quarter of the trace's unique blocks (at least room for
     two of its largest requests on every rank)."""
@@ -58,8 +58,10 @@ class BenchConfig:
         if self.engine == "tiny" and not self.migration:
             raise ValueError("--no-migration is not available with --engine tiny: the router actor's kv policy "
                              "runs with its default cost model")
-        if self.policy != "all" and self.policy not in policy_names():
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {policy_names()} or 'all'")
+        if self.policy != "all":
+            for name in self.policy.split(","):
+                if name not in policy_names():
+                    raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()} or 'all'")
         if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
             raise ValueError(f"--limit must be a positive int, got {self.limit!r}")
         if type(self.jobs) is not int or self.jobs < 0:
@@ -69,7 +71,7 @@ class BenchConfig:
 
     @property
     def policies(self) -> list[str]:
-        return policy_names() if self.policy == "all" else [self.policy]
+        return policy_names() if self.policy == "all" else list(dict.fromkeys(self.policy.split(",")))
 
 
 @dataclass(slots=True)

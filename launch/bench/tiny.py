@@ -153,7 +153,8 @@ def _union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, 
     return out
 
 
-def _load_series(busy: list[list[tuple[float, float]]], makespan: float, buckets: int) -> tuple[list[list[float]], float]:
+def _load_series(busy: list[list[tuple[float, float]]], makespan: float,
+                 buckets: int) -> tuple[list[list[float]], float]:
     bucket = makespan / buckets if makespan > 0 else 1.0
     series = []
     for intervals in busy:
@@ -191,8 +192,9 @@ class PolicyReplay:
         cache = CacheConfig(tokens_per_block=s.tokens_per_block, num_layers=2, num_kv_heads=2, head_dim=32,
                             dtype=torch.float32, device="cpu", num_primary_blocks=s.capacity_blocks // s.ranks,
                             num_secondary_blocks=s.host_blocks // s.ranks, enable_partial_reuse=s.partial_reuse)
-        cfg = ClusterConfig(num_ranks=s.ranks, device="cpu", cache=cache, num_cpus_per_rank=self.options.num_cpus_per_rank,
-                            name_prefix=self.name, group_timeout_s=60, call_timeout_s=START_TIMEOUT_S, seed=s.seed)
+        cfg = ClusterConfig(num_ranks=s.ranks, device="cpu", cache=cache,
+                            num_cpus_per_rank=self.options.num_cpus_per_rank, name_prefix=self.name,
+                            group_timeout_s=60, call_timeout_s=START_TIMEOUT_S, seed=s.seed)
         cluster = Cluster.start(cfg)
         try:
             rc = RouterActorConfig(host="127.0.0.1", port=0,
@@ -228,7 +230,8 @@ class PolicyReplay:
         arrivals = np.array([(r.timestamp_s - t_first) / speed for r in reqs])
         answers: list[_Answer] = [_Answer(False, "not sent") for _ in range(n)]
         timeout = self.options.request_timeout_s
-        limits = httpx.Limits(max_connections=self.options.concurrency, max_keepalive_connections=self.options.concurrency)
+        c = self.options.concurrency
+        limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
         lock = threading.Lock()
         t0 = 0.0
 
@@ -327,11 +330,12 @@ def run_tiny(config, progress: Callable[[str, int], None] | None = None,  # type
         largest = max((-(-(r.input_length + r.output_length) // tpb) for r in trace.requests), default=1)
         capacity = max(unique // 4, 2 * largest * ranks)
     per_rank = capacity // ranks
-    sim = SimConfig(ranks=ranks, capacity_blocks=max(per_rank, 1) * ranks, host_blocks=(config.host_blocks // ranks) * ranks,
-                    tokens_per_block=tpb, speed=config.speed, partial_reuse=config.partial_reuse,
-                    migration=config.migration, seed=config.seed)
+    sim = SimConfig(ranks=ranks, capacity_blocks=max(per_rank, 1) * ranks,
+                    host_blocks=(config.host_blocks // ranks) * ranks, tokens_per_block=tpb, speed=config.speed,
+                    partial_reuse=config.partial_reuse, migration=config.migration, seed=config.seed)
     check_fits(trace, sim)
-    bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb, sim.capacity_blocks + sim.host_blocks)
+    bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb,
+                            sim.capacity_blocks + sim.host_blocks)
     tokens = [tiny_tokens(trace, r) for r in trace.requests]
     policies = config.policies
     if on_trace is not None:

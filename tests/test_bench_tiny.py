@@ -1,0 +1,116 @@
+"""``kvledger bench --engine tiny``: a synthetic trace replayed over HTTP through a real local cluster (two rank
+actors with the reference engine, the router actor on 127.0.0.1), one fresh cluster per policy, times measured."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+
+from launch.bench import report
+from launch.bench.runner import BenchConfig, run
+from launch.bench.tiny import TinyOptions, fit_trace, load_tiny_trace, tiny_tokens
+from launch.bench.trace import BlockChains, SyntheticConfig, generate_synthetic
+from launch.bench_cli import add_bench_parser, run_bench
+from worker.tokenizer import VOCAB_SIZE
+
+REQUESTS = 20
+POLICIES = ("kv", "round_robin")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvledger")
+    add_bench_parser(p.add_subparsers(dest="command", required=True))
+    return p.parse_args(["bench", *argv])
+
+
+# --- the workload, without a cluster --------------------------------------------------------------
+
+def test_the_workload_fits_the_reference_model_and_keeps_the_trace_structure():
+    trace, tpb = load_tiny_trace("synthetic", 60, None, 0, TinyOptions(max_input_tokens=256, max_output_tokens=4))
+    assert tpb == 16 and len(trace.requests) == 60
+    assert all(r.input_length <= 256 and r.output_length <= 4 for r in trace.requests)
+    assert any(r.input_length == 256 for r in trace.requests), "the cut bites on some prompt"
+    chains = BlockChains(trace.block_size, tpb)
+    by_chain: dict[int, tuple[int, ...]] = {}
+    for r in trace.requests:
+        toks = tiny_tokens(trace, r)
+        assert len(toks) == r.input_length and 0 <= min(toks) and max(toks) < VOCAB_SIZE
+        assert toks == tiny_tokens(trace, r), "deterministic"
+        for k, cid in enumerate(chains.chain(r)):   # equal block ids <=> equal tokens (and equal prefix)
+            block = tuple(toks[k * tpb:(k + 1) * tpb])
+            assert by_chain.setdefault(cid, block) == block
+    full = generate_synthetic(SyntheticConfig(requests=10, block_size=16, seed=3))
+    cut = fit_trace(full, 100, 2)
+    for a, b in zip(full.requests, cut.requests):
+        assert b.hash_ids == a.hash_ids[:len(b.hash_ids)] and len(b.hash_ids) == -(-b.input_length // 16)
+        assert tiny_tokens(cut, b) == tiny_tokens(full, a)[:b.input_length]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--engine", "nope"), "must be one of"),
+    (("--engine", "tiny", "--no-migration"), "no-migration"),
+    (("--engine", "tiny", "--policy", "kv,nope"), "unknown policy 'nope'"),
+    (("--engine", "tiny", "--capacity-blocks", "1", "--ranks", "2"), "raise --capacity-blocks"),
+])
+def test_cli_rejects_bad_tiny_input_before_starting_anything(tmp_path, capsys, argv, message):
+    rc = run_bench(parse("--limit", "5", "--quiet", "--json", str(tmp_path / "x.json"), *argv))
+    assert rc == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "x.json").exists()
+
+
+# --- the replay on a real cluster -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def replayed(ray_session):
+    t0 = time.perf_counter()
+    config = BenchConfig(trace="synthetic", ranks=2, policy=",".join(POLICIES), engine="tiny", limit=REQUESTS,
+                         speed=4.0, seed=0)
+    result = run(config)
+    return result, time.perf_counter() - t0
+
+
+def test_every_request_is_answered_and_its_figures_add_up(replayed):
+    result, wall = replayed
+    assert list(result.runs) == list(POLICIES)
+    prompt = np.array([r.input_length for r in result.trace.requests])
+    assert len(prompt) == REQUESTS
+    for name, r in result.runs.items():
+        extra = result.extra["tiny"]["policies"][name]
+        assert extra["failed"] == 0, extra["errors"]
+        assert len(r.ttft_s) == REQUESTS and (r.ttft_s > 0).all(), name
+        assert (r.prompt_tokens == prompt).all(), f"{name}: the server saw the trace's prompts"
+        assert (r.cached_tokens + r.computed_tokens == prompt).all(), name
+        assert (r.cached_tokens >= 0).all() and (r.computed_tokens >= 1).all(), name
+        assert set(r.rank.tolist()) <= {0, 1}
+        assert result.summaries[name].requests == REQUESTS
+        assert result.summaries[name].hit_rate <= result.bounds.infinite_hit_rate + 1e-12, name
+    assert wall < 90, f"the tiny replay took {wall:.0f} s"
+
+
+def test_kv_hits_the_cache_at_least_as_often_as_round_robin(replayed):
+    result, _ = replayed
+    kv, rr = result.summaries["kv"], result.summaries["round_robin"]
+    assert kv.hit_rate >= rr.hit_rate, (kv.hit_rate, rr.hit_rate)
+    assert kv.hit_rate > 0
+
+
+def test_json_and_png_are_written(replayed, tmp_path):
+    result, _ = replayed
+    out, png = tmp_path / "tiny.json", tmp_path / "tiny.png"
+    report.write_json(out, report.to_json(result.meta(), result.bounds, result.summaries))
+    report.write_plot(png, result.bounds, result.summaries, result.runs, "tiny", measured=True)
+    doc = json.loads(out.read_text())
+    assert doc["engine"] == "tiny" and doc["ranks"] == 2 and doc["requests"] == REQUESTS
+    assert set(doc["bounds"]) >= {"infinite_hit_rate", "pooled_lru_hit_rate"}
+    assert list(doc["policies"]) == list(POLICIES)
+    for p in doc["policies"].values():
+        assert {"hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_mean_s", "load_imbalance",
+                "throughput_rps", "onboarded_blocks", "migrated_blocks", "requests"} <= set(p)
+        assert p["requests"] == REQUESTS
+    assert doc["tiny"]["max_input_tokens"] == 1024 and doc["tiny"]["vocab_size"] == VOCAB_SIZE
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -137,6 +137,20 @@ class RoutingPolicy(abc.ABC):
         """``rank`` left the cluster; forget what is kept about it."""
 
 
+class ConfiguredPolicy(RoutingPolicy):
+    """A policy built from an instance of its ``config_type`` dataclass, with a seeded tie-breaker."""
+
+    def __init__(self, config: object | None = None, seed: int = 0) -> None:
+        config_type = type(self).config_type
+        assert config_type is not None, f"{type(self).__name__} declares no config_type"
+        if config is None:
+            config = config_type()
+        if not isinstance(config, config_type):
+            raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
+        self.config = config
+        self._rng = random.Random(seed)
+
+
 def live_ranks(ranks: Sequence[RankState]) -> list[RankState]:
     """The live ones, by rank id; raises on a duplicate id or when none is alive."""
     seen: set[int] = set()

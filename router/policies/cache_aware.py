@@ -11,12 +11,11 @@ way the prompt is then recorded under the chosen rank (``on_routed``).
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.policies.approx_tree import ApproxTree
-from router.policies.base import (RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks,
+from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
                                   matched_tokens, pick_best)
 from router.probe import PrefixMatch
 
@@ -44,19 +43,16 @@ class CacheAwareConfig:
             raise ValueError(f"max_tokens_per_rank must be a positive int, got {self.max_tokens_per_rank!r}")
 
 
-class CacheAwarePolicy(RoutingPolicy):
+class CacheAwarePolicy(ConfiguredPolicy):
     """Scores: in-flight requests when balancing (lower is better), else matched tokens per its tree
     (higher is better); the probe's matches are only reported, never used."""
 
     name = "cache_aware"
     config_type = CacheAwareConfig
 
-    def __init__(self, config: CacheAwareConfig = CacheAwareConfig(), seed: int = 0) -> None:
-        if not isinstance(config, CacheAwareConfig):
-            raise TypeError(f"config must be a CacheAwareConfig, got {type(config).__name__}")
-        self.config = config
-        self._rng = random.Random(seed)
-        self._tree = ApproxTree(config.max_tokens_per_rank)
+    def __init__(self, config: CacheAwareConfig | None = None, seed: int = 0) -> None:
+        super().__init__(config, seed)
+        self._tree = ApproxTree(self.config.max_tokens_per_rank)
 
     def route(self, request: RouteRequest, ranks: Sequence[RankState],
               matches: Mapping[int, PrefixMatch]) -> RouteDecision:

@@ -12,11 +12,10 @@ Lowest logit wins; ties are broken at random (seeded), as Dynamo does.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from router.policies.base import (RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks,
+from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
                                   matched_tokens, pick_best)
 from router.probe import PrefixMatch
 
@@ -39,17 +38,11 @@ class DynamoCostConfig:
                 raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
 
 
-class DynamoPolicy(RoutingPolicy):
+class DynamoPolicy(ConfiguredPolicy):
     """Scores are Dynamo's logits (blocks; lower is better)."""
 
     name = "dynamo"
     config_type = DynamoCostConfig
-
-    def __init__(self, config: DynamoCostConfig = DynamoCostConfig(), seed: int = 0) -> None:
-        if not isinstance(config, DynamoCostConfig):
-            raise TypeError(f"config must be a DynamoCostConfig, got {type(config).__name__}")
-        self.config = config
-        self._rng = random.Random(seed)
 
     def route(self, request: RouteRequest, ranks: Sequence[RankState],
               matches: Mapping[int, PrefixMatch]) -> RouteDecision:

@@ -17,11 +17,10 @@ cheaper.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from router.policies.base import (RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks,
+from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
                                   matched_tokens, pick_best)
 from router.probe import PrefixMatch
 
@@ -56,17 +55,11 @@ class KvCostModel:
             raise ValueError("prefill_s_per_token must be > 0: a free prefill makes every cache worthless")
 
 
-class KvPolicy(RoutingPolicy):
+class KvPolicy(ConfiguredPolicy):
     """Lowest estimated cost wins (see the module docstring); scores are seconds."""
 
     name = "kv"
     config_type = KvCostModel
-
-    def __init__(self, config: KvCostModel = KvCostModel(), seed: int = 0) -> None:
-        if not isinstance(config, KvCostModel):
-            raise TypeError(f"config must be a KvCostModel, got {type(config).__name__}")
-        self.config = config
-        self._rng = random.Random(seed)
 
     def route(self, request: RouteRequest, ranks: Sequence[RankState],
               matches: Mapping[int, PrefixMatch]) -> RouteDecision:

@@ -8,11 +8,10 @@ requests, fewer is better; all equal scores 1) and KV-cache utilisation
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from router.policies.base import (RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks,
+from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
                                   matched_tokens, pick_best)
 from router.probe import PrefixMatch
 
@@ -30,17 +29,11 @@ class LlmDWeights:
                 raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
 
 
-class LlmDPolicy(RoutingPolicy):
+class LlmDPolicy(ConfiguredPolicy):
     """Scores are the weighted sums (higher is better)."""
 
     name = "llm_d"
     config_type = LlmDWeights
-
-    def __init__(self, config: LlmDWeights = LlmDWeights(), seed: int = 0) -> None:
-        if not isinstance(config, LlmDWeights):
-            raise TypeError(f"config must be LlmDWeights, got {type(config).__name__}")
-        self.config = config
-        self._rng = random.Random(seed)
 
     def route(self, request: RouteRequest, ranks: Sequence[RankState],
               matches: Mapping[int, PrefixMatch]) -> RouteDecision:

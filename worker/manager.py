@@ -77,10 +77,10 @@ class KVCacheManager:
         self.blocks = [Block(block_id=i, slot=i, tier=PRIMARY) for i in range(n_primary)]
         self.blocks += [Block(block_id=n_primary + i, slot=i, tier=SECONDARY) for i in range(n_secondary)]
         self._evict = EvictionPolicy(num_tiers=2)
-        # Device blocks are handed out in descending slot order, so a sequence released tail first
-        # is evicted in ascending order, matching the host tier's ascending free slots: an offloaded run
-        # of adjacent blocks moves as one slice copy.
-        for b in (*reversed(self.blocks[:n_primary]), *self.blocks[n_primary:]):
+        # Device blocks go out in ascending slot order (a sequence's blocks are adjacent, so a migration
+        # reads them as one run); released tail first, they are evicted in descending order, so host slots
+        # go out descending too: an offloaded run of adjacent blocks moves as one slice copy.
+        for b in (*self.blocks[:n_primary], *reversed(self.blocks[n_primary:])):
             self._evict.release(b)
         self._tree = PrefixTree()
         self._seqs: dict[int, Sequence] = {}
@@ -200,7 +200,7 @@ class KVCacheManager:
         onboarded = []
         for p in plans:
             moved = [b for b in self._to_onboard(p.match) if b.tier == SECONDARY]
-            for b in reversed(moved):  # tail first: the order they were offloaded in, so host slots ascend
+            for b in moved:
                 self._onboard(b)
             onboarded.append(len(moved))
         seqs = []

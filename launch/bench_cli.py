@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -27,34 +28,22 @@ _COST_HELP = {
 }
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+def _number(parse: Callable[[str], float], ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """An argparse ``type`` that parses with ``parse`` and accepts what ``ok`` says, naming ``what`` otherwise."""
+    def convert(s: str) -> float:
+        try:
+            v = parse(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        return v
+    return convert
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
-    return v
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

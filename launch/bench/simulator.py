@@ -37,13 +37,14 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from launch.bench.trace import BlockChains, Trace, TraceRequest, request_tokens
 from router.index import PrefixIndex
 from router.policies import RankState, RouteRequest, RoutingPolicy, make_policy
+from router.policies.base import check_nonneg_numbers
 from router.probe import PrefixMatch, match_prefix
 from worker import CacheConfig, KVCacheManager, OutOfBlocksError, Request
 from worker.block_key import ROOT_HASH, BlockKey, chain_hash
@@ -68,10 +69,7 @@ class SimCosts:
     """One decode step; each running request gets one token per step (the step is shared by the batch)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"SimCosts.{f.name} must be a finite number >= 0, got {v!r}")
+        check_nonneg_numbers(self, prefix="SimCosts.")
         for name in ("prefill_tokens_per_s", "kv_bytes_per_token", "pcie_gbytes_per_s", "nvlink_gbytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SimCosts.{name} must be > 0")

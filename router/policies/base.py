@@ -9,9 +9,10 @@ index (``router.probe``); policies that learn from their own decisions (SGLang's
 from __future__ import annotations
 
 import abc
+import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 from router.probe import PrefixMatch, prompt_hashes
@@ -135,6 +136,15 @@ class RoutingPolicy(abc.ABC):
 
     def on_rank_removed(self, rank: int) -> None:
         """``rank`` left the cluster; forget what is kept about it."""
+
+
+def check_nonneg_numbers(config: object, skip: tuple[str, ...] = (), prefix: str = "") -> None:
+    """Raise ``ValueError`` naming the first dataclass field of ``config`` (not in ``skip``) that is not a
+    finite number >= 0: the check every cost or weight dataclass makes."""
+    for f in fields(config):
+        v = getattr(config, f.name)
+        if f.name not in skip and (type(v) not in (int, float) or not math.isfinite(v) or v < 0):
+            raise ValueError(f"{prefix}{f.name} must be a finite number >= 0, got {v!r}")
 
 
 class ConfiguredPolicy(RoutingPolicy):

@@ -11,11 +11,10 @@ Lowest logit wins; ties are broken at random (seeded), as Dynamo does.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
+from router.policies.base import (ConfiguredPolicy, check_nonneg_numbers, RankState, RouteDecision, RouteRequest, live_ranks,
                                   matched_tokens, pick_best)
 from router.probe import PrefixMatch
 
@@ -32,10 +31,7 @@ class DynamoCostConfig:
     """Credit per host-tier (pinned CPU) block that continues the match."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+        check_nonneg_numbers(self)
 
 
 class DynamoPolicy(ConfiguredPolicy):

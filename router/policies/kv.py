@@ -16,11 +16,10 @@ cheaper.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
+from router.policies.base import (ConfiguredPolicy, check_nonneg_numbers, RankState, RouteDecision, RouteRequest, live_ranks,
                                   matched_tokens, pick_best)
 from router.probe import PrefixMatch
 
@@ -44,13 +43,9 @@ class KvCostModel:
     """Consider pulling a prefix from the best-matching rank."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "allow_migration":
-                if type(v) is not bool:
-                    raise TypeError(f"allow_migration must be a bool, got {type(v).__name__}")
-            elif type(v) not in (int, float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+        if type(self.allow_migration) is not bool:
+            raise TypeError(f"allow_migration must be a bool, got {type(self.allow_migration).__name__}")
+        check_nonneg_numbers(self, skip=("allow_migration",))
         if self.prefill_s_per_token == 0:
             raise ValueError("prefill_s_per_token must be > 0: a free prefill makes every cache worthless")
 

@@ -7,11 +7,10 @@ requests, fewer is better; all equal scores 1) and KV-cache utilisation
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
+from router.policies.base import (ConfiguredPolicy, check_nonneg_numbers, RankState, RouteDecision, RouteRequest, live_ranks,
                                   matched_tokens, pick_best)
 from router.probe import PrefixMatch
 
@@ -23,10 +22,7 @@ class LlmDWeights:
     kv_utilisation_weight: float = 2.0
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+        check_nonneg_numbers(self)
 
 
 class LlmDPolicy(ConfiguredPolicy):

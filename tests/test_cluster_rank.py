@@ -7,7 +7,7 @@ import torch
 from ledger_helpers import make_manager, make_request, serve
 from worker import CacheConfig, OutOfBlocksError
 from worker.block import SECONDARY
-from worker.events import BlockStored
+from worker.events import BlockStored, decode_batch
 from worker.rank import RankWorker, request_from_dict
 
 T = 4
@@ -45,9 +45,8 @@ def test_serve_plain_dicts_reuses_prefix_and_reports_load():
     assert load["ready"] and load["served_requests"] == 2 and load["queued_prefill_tokens"] == 0
     assert load["device_blocks_used"] == 0 and load["device_blocks_free"] == 32
     assert w.stats()["reused_blocks"] == 3
-    assert any(isinstance(e, BlockStored) for e in w.take_events())
-    n, batch = w.take_event_batch()
-    assert n == 0 and isinstance(batch, bytes)
+    b = w.poll_events()
+    assert b.seq == 0 and any(isinstance(e, BlockStored) for e in decode_batch(b.data).events)
     assert len(w.snapshot()) == 3  # 13 prompt + 2 decoded tokens written: 3 full blocks
     w.check_integrity()
 

@@ -1,4 +1,4 @@
-"""A rank's event publishing on the plain RankWorker: one numbering for polls, pushes and take_event_batch,
+"""A rank's event publishing on the plain RankWorker: one numbering for polls and pushes,
 replay and snapshots, the background publisher thread, and the in-process migration path."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def serve(w: RankWorker, rid: int, tokens: list[int], new: int = 0) -> dict:
     return w.serve([{"request_id": rid, "tokens": tokens, "max_new_tokens": new}], logits="none")[0]
 
 
-def test_polls_replays_and_take_event_batch_share_one_numbering():
+def test_polls_replays_and_snapshots_share_one_numbering():
     w = make_rank(replay_size=2)
     b0 = w.poll_events()
     assert b0.seq == 0 and isinstance(decode_batch(b0.data).events[0], KVCacheCreated)
@@ -37,12 +37,13 @@ def test_polls_replays_and_take_event_batch_share_one_numbering():
     serve(w, 1, list(range(1, 14)))
     b1 = w.poll_events()
     assert b1.seq == 1 and any(isinstance(e, BlockStored) for e in decode_batch(b1.data).events)
-    n, data = w.take_event_batch()           # published even when empty, and numbered like the rest
-    assert n == 2 and decode_batch(data).events == []
+    serve(w, 2, [20, 21, 22, 23, 24])
+    b2 = w.poll_events()
+    assert b2.seq == 2 and any(isinstance(e, BlockStored) for e in decode_batch(b2.data).events)
     assert [b.seq for b in w.replay_events(1)] == [1, 2]
     assert w.replay_events(0) is None        # a buffer of 2 no longer reaches batch 0
     pending, snap = w.event_snapshot()
-    assert pending is None and snap.next_seq == 3 and len(snap.blocks) == 3
+    assert pending is None and snap.next_seq == 3 and len(snap.blocks) == 4
     index = PrefixIndex(T)
     index.load_snapshot(0, snap.blocks, snap.next_seq)
     assert probe(index, list(range(1, 14)))[0].matched_tokens == w.probe(list(range(1, 14))) == 12

@@ -56,13 +56,12 @@ class EventPublisher:
     def next_seq(self) -> int:
         return self._next
 
-    def poll(self, empty: bool = False) -> PublishedBatch | None:
-        """Drain the ledger into the next batch; ``None`` when nothing happened, unless ``empty`` asks for a
-        batch (with no events) anyway."""
+    def poll(self) -> PublishedBatch | None:
+        """Drain the ledger into the next batch; ``None`` when nothing happened."""
         with self._lock:
-            return self._poll(empty)
+            return self._poll()
 
-    def _poll(self, empty: bool = False) -> PublishedBatch | None:
+    def _poll(self) -> PublishedBatch | None:
         events: list[KVEvent] = self.manager.take_events()
         dropped = self.manager.stats().events_dropped
         if dropped != self._dropped_seen:
@@ -70,7 +69,7 @@ class EventPublisher:
             created = KVCacheCreated(num_blocks={"GPU": self.manager.num_primary, "CPU": self.manager.num_secondary},
                                      block_size=self.manager.tokens_per_block)
             events = [created, *events]
-        if not events and not empty:
+        if not events:
             return None
         batch = PublishedBatch(self._next, encode_batch(EventBatch(ts=self.clock(), events=events, rank=self.rank)))
         self._next += 1

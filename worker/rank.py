@@ -24,7 +24,6 @@ import torch.distributed as dist
 from worker.config import CacheConfig
 from worker.device import dist_backend, resolve_device
 from worker.engine import ReferenceEngine, ServeResult
-from worker.events import KVEvent
 from worker.kv_pool import copy_blocks
 from worker.manager import KVCacheManager, StoredBlock
 from worker.publisher import EventPublisher, PublishedBatch, Snapshot
@@ -300,24 +299,12 @@ class RankWorker:
         return {**s, "rank": self.rank, "device": str(self.device), "backend": dist_backend(self.device),
                 "in_group": dist.is_initialized(), "transfers": transfers}
 
-    def take_events(self) -> list[KVEvent]:
-        """Drain the ledger's events directly, bypassing the numbered batches (for tests and tools, not routers)."""
-        with self._lock:
-            return self._mgr().take_events()
-
     # ------------------------------------------------------------------ events for routers
 
     def poll_events(self) -> PublishedBatch | None:
         """The next numbered batch of what happened since the last one, or ``None`` when nothing did."""
         with self._lock:
             return self._pub().poll()
-
-    def take_event_batch(self) -> tuple[int, bytes]:
-        """Like ``poll_events`` but always a batch (maybe empty), numbered in the same sequence."""
-        with self._lock:
-            batch = self._pub().poll(empty=True)
-        assert batch is not None, "poll(empty=True) always publishes"
-        return batch.seq, batch.data
 
     def replay_events(self, from_seq: int) -> list[PublishedBatch] | None:
         """Batches from ``from_seq`` on, or ``None`` when the replay buffer no longer reaches back that far."""

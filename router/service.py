@@ -393,8 +393,9 @@ class RouterService:
                     logger.exception("migration %d -> %d failed; rank %d computes the prefix instead",
                                      decision.migrate_from, rank, rank)
             matched = decision.matched_tokens.get(rank, 0) + migrated * tpb
+            prefill = len(req.tokens) - min(matched, len(req.tokens) - 1)
             decode_blocks = -(-(len(req.tokens) + max_tokens) // tpb)
-            self._dispatched(rank, len(req.tokens) - min(matched, len(req.tokens) - 1), decode_blocks, +1)
+            self._dispatched(rank, prefill, decode_blocks, +1)
             with self._lock:
                 self.policy.on_routed(req, decision)
             try:
@@ -406,7 +407,7 @@ class RouterService:
                     self.stats.retries += 1
                 continue
             finally:
-                self._dispatched(rank, -(len(req.tokens) - min(matched, len(req.tokens) - 1)), -decode_blocks, -1)
+                self._dispatched(rank, -prefill, -decode_blocks, -1)
             if out.events is not None:   # what serving did is indexed before the answer leaves
                 self.ingest(rank, out.events.seq, out.events.data)
             with self._lock:

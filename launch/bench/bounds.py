@@ -19,7 +19,7 @@ neither bound counts).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 
@@ -33,19 +33,20 @@ class Bounds:
     pooled_lru_capacity_blocks: int
 
 
-def _reusable(n_tokens: int, tokens_per_block: int) -> int:
-    return (n_tokens - 1) // tokens_per_block
+def _held_prefix_tokens(ids: Sequence[int], n_tokens: int, tokens_per_block: int, held: Container[int]) -> int:
+    """Tokens of the longest prefix of ``ids`` found in ``held``, over the full blocks before the last token."""
+    m = (n_tokens - 1) // tokens_per_block
+    j = 0
+    while j < m and ids[j] in held:
+        j += 1
+    return j * tokens_per_block
 
 
 def infinite_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequence[int], tokens_per_block: int) -> int:
     seen: set[int] = set()
     hits = 0
     for ids, n in zip(chains, lengths):
-        m = _reusable(n, tokens_per_block)
-        j = 0
-        while j < m and ids[j] in seen:
-            j += 1
-        hits += j * tokens_per_block
+        hits += _held_prefix_tokens(ids, n, tokens_per_block, seen)
         seen.update(ids)
     return hits
 
@@ -57,11 +58,7 @@ def pooled_lru_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequence[
     lru: OrderedDict[int, None] = OrderedDict()
     hits = 0
     for ids, n in zip(chains, lengths):
-        m = _reusable(n, tokens_per_block)
-        j = 0
-        while j < m and ids[j] in lru:
-            j += 1
-        hits += j * tokens_per_block
+        hits += _held_prefix_tokens(ids, n, tokens_per_block, lru)
         for b in reversed(ids):      # tail first: the head ends up most recent
             if b in lru:
                 lru.move_to_end(b)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker import CacheConfig, KVCacheManager, Request
-from worker.engine import ReferenceEngine
+from kvledger.worker.engine.reference import ReferenceEngine
+from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -49,8 +49,8 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run as a script: make the repository's packages importable
     sys.path.insert(0, str(_REPO))
 
-from worker import CacheConfig, KVCacheManager, Request  # noqa: E402
-from worker.events import BlockRemoved, BlockUpdated  # noqa: E402
+from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request  # noqa: E402
+from kvledger.worker.wire.events import BlockRemoved, BlockUpdated  # noqa: E402
 
 VOCAB = 128_256
 """Token ids are drawn below this (Llama 3's vocabulary)."""

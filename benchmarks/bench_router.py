@@ -35,9 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from router.index import PrefixIndex  # noqa: E402
-from router.probe import match_prefix  # noqa: E402
-from worker.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
+from kvledger.router.index import PrefixIndex  # noqa: E402
+from kvledger.router.probe import match_prefix  # noqa: E402
+from kvledger.worker.wire.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
 
 PEERS = Path("/work/shared/peers")
 BLOCK = 16            # tokens per block

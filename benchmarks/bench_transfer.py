@@ -26,10 +26,10 @@ import argparse
 import statistics
 import time
 
-import coordinator  # noqa: F401  (before ray)
 import torch
 
-from worker import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
+import kvledger.coordinator  # noqa: F401  (before ray)
+from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
 
 T = 16
 GEOMETRY = dict(tokens_per_block=T, num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float16)
@@ -57,7 +57,7 @@ def _cold_caches() -> None:
 
 def plain_copy_seconds(nbytes: int, device: torch.device, to_host: bool) -> float:
     """One ``copy_`` of a contiguous tensor of ``nbytes`` between the tiers' memories (pre-touched, cold caches)."""
-    from worker.device import host_pin_memory
+    from kvledger.worker.device import host_pin_memory
     n = nbytes // 2
     dev = torch.ones(n, dtype=torch.float16, device=device)
     host = torch.ones(n, dtype=torch.float16, pin_memory=host_pin_memory())
@@ -160,10 +160,10 @@ def _clear(rank) -> None:
 def bench_migration(blocks: list[int], reps: int, device: str) -> None:
     import ray
 
-    from coordinator.cluster import Cluster
-    from coordinator.config import ClusterConfig
-    from coordinator.migration import Migrator
-    from coordinator.ray_env import init_ray
+    from kvledger.coordinator.cluster import Cluster
+    from kvledger.coordinator.config import ClusterConfig
+    from kvledger.coordinator.migration import Migrator
+    from kvledger.coordinator.ray_env import init_ray
 
     init_ray(num_cpus=2, log_to_driver=False)
     need = max(blocks) + 2

@@ -4,7 +4,6 @@ Importing this package sets (where unset) the environment every process of a
 kvledger Ray cluster shares; Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it
 is first imported, so this must happen before ``import ray`` (see ``ray_env``).
 """
-import os as _os
+from kvledger.coordinator.ray_env import ray_env_vars
 
-for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")):
-    _os.environ.setdefault(_k, _v)
+ray_env_vars()

@@ -20,9 +20,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from coordinator.config import ClusterConfig
-from worker.rank import RankNotReadyError, rank_actor_class
-from worker.request import Request
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.worker.ledger.request import Request
+from kvledger.worker.rank.worker import RankNotReadyError, rank_actor_class
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from typing import Literal
 
 import torch
 
-from worker.config import CacheConfig
-from worker.device import DeviceChoice
+from kvledger.worker.device import DeviceChoice
+from kvledger.worker.ledger.config import CacheConfig
 
 MiB = 1 << 20
 

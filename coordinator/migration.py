@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError
 
-from coordinator.cluster import Cluster
+from kvledger.coordinator.cluster import Cluster
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from coordinator.cluster import Cluster
-from coordinator.migration import Migrator
-from router.backend import RankDiedError, RankMethodsBackend
-from worker.rank import RankNotReadyError
+from kvledger.coordinator.cluster import Cluster
+from kvledger.coordinator.migration import Migrator
+from kvledger.router.backend import RankDiedError, RankMethodsBackend
+from kvledger.worker.rank.worker import RankNotReadyError
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coordinator.cluster import Cluster
-from coordinator.config import ClusterConfig
-from coordinator.ray_backend import RayBackend
-from router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
-from router.service import RouterConfig, RouterService, parse_vllm_endpoint
+from kvledger.coordinator.cluster import Cluster
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.coordinator.ray_backend import RayBackend
+from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
+from kvledger.router.service import RouterConfig, RouterService, parse_vllm_endpoint
 
 logger = logging.getLogger(__name__)
 

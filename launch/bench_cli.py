@@ -2,7 +2,7 @@
 
 Wiring (``launch/cli.py``)::
 
-    from launch.bench_cli import add_bench_parser, run_bench
+    from kvledger.launch.bench_cli import add_bench_parser, run_bench
     add_bench_parser(sub)                       # in _parser(), next to the other sub-commands
     if args.command == "bench": return run_bench(args)   # in main()
 """
@@ -14,9 +14,15 @@ from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
-from launch.bench.simulator import SimCosts
-from launch.bench.tiny import (CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, TINY_BLOCK_SIZE,
-                               TinyOptions)
+from kvledger.launch.bench.simulator import SimCosts
+from kvledger.launch.bench.tiny import (
+    CONCURRENCY,
+    DEFAULT_LIMIT,
+    MAX_INPUT_TOKENS,
+    MAX_OUTPUT_TOKENS,
+    TINY_BLOCK_SIZE,
+    TinyOptions,
+)
 
 _COST_HELP = {
     "prefill_tokens_per_s": "prompt tokens one rank computes per second",
@@ -125,8 +131,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from launch.bench import report
-    from launch.bench.runner import BenchConfig, run
+    from kvledger.launch.bench import report
+    from kvledger.launch.bench.runner import BenchConfig, run
 
     err = Console(stderr=True)
     try:

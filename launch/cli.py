@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import coordinator  # noqa: F401  (before anything imports ray: one auth mode, loopback-only local Ray)
-from coordinator.config import ClusterConfig
-from router.policies import policy_names
-from router.service import RouterConfig, parse_vllm_endpoint
+import kvledger.coordinator  # noqa: F401  (before anything imports ray: one auth mode, loopback-only local Ray)
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.router.policies import policy_names
+from kvledger.router.service import RouterConfig, parse_vllm_endpoint
 
 _DEFAULTS = ClusterConfig()
 
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     mon.add_argument("--url", default=None)
 
     try:
-        from launch.bench_cli import add_bench_parser
+        from kvledger.launch.bench_cli import add_bench_parser
     except ImportError:  # the bench comes with the router's issue
         add_bench_parser = None
     if add_bench_parser is not None:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from launch.demo import run_demo
+        from kvledger.launch.demo import run_demo
         run_demo()
         return 0
     if args.command == "up":
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.detach and args.workload:
             print("kvledger up: --workload runs and stops; it cannot be combined with --detach", file=sys.stderr)
             return 2
-        from launch import up
+        from kvledger.launch import up
         if args.detach:
             rest = [a for a in argv[argv.index("up") + 1:] if a != "--detach"]
             return up.up_detached(rest)
@@ -101,19 +101,19 @@ def main(argv: list[str] | None = None) -> int:
         return up.up(config, address=args.address, workload=args.workload, router=not args.no_router,
                      host=args.host, port=args.port, policy=args.policy, vllm_events=args.vllm_events)
     if args.command == "route":
-        from launch.router_client import route
+        from kvledger.launch.router_client import route
         return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens)
     if args.command == "monitor":
-        from launch.router_client import monitor
+        from kvledger.launch.router_client import monitor
         return monitor(url=args.url, rank=args.rank, as_json=args.json, seconds=args.seconds)
     if args.command == "bench":
-        from launch.bench_cli import run_bench
+        from kvledger.launch.bench_cli import run_bench
         return run_bench(args)
     if args.command == "status":
-        from launch import up
+        from kvledger.launch import up
         return up.status(as_json=args.json)
     if args.command == "down":
-        from launch import up
+        from kvledger.launch import up
         return up.down()
     return 2
 

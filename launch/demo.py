@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from worker import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
-from worker.events import KVEvent
+from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
+from kvledger.worker.wire.events import KVEvent
 
 
 def _show_events(events: list[KVEvent]) -> None:

@@ -23,7 +23,7 @@ def router_url(url: str | None = None) -> str:
     """``url``, else the running cluster's router (state file), else the default."""
     if url:
         return url.rstrip("/")
-    from launch.state import ClusterState
+    from kvledger.launch.state import ClusterState
 
     try:
         state = ClusterState.load()

@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import coordinator  # noqa: F401  (before ray: one auth mode, loopback-only local Ray)
-from coordinator.config import ClusterConfig
-from launch.state import ClusterState, descendants, is_alive, start_time, state_dir, state_path
+import kvledger.coordinator  # noqa: F401  (before ray: one auth mode, loopback-only local Ray)
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.launch.state import ClusterState, descendants, is_alive, start_time, state_dir, state_path
 
 logger = logging.getLogger(__name__)
 HEALTH_EVERY_S = 5.0
@@ -65,8 +65,8 @@ def _start_router(cluster, host: str, port: int, detached: bool, out: Callable[[
     Keep the handle while the router is wanted: Ray ends a non-detached actor once no handle to it is left.
     """
     try:
-        from coordinator.router_actor import ROUTER_NAME, RouterActorConfig, start_router
-        from router.service import RouterConfig
+        from kvledger.coordinator.router_actor import ROUTER_NAME, RouterActorConfig, start_router
+        from kvledger.router.service import RouterConfig
         config = RouterActorConfig(host=host, port=port, router=RouterConfig(policy=policy),
                                    vllm_events=tuple(vllm_events))
         return start_router(cluster, config, name=ROUTER_NAME, detached=detached)
@@ -91,9 +91,9 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
     """Start (or join) Ray and the ranks; run the workload and stop, or hold the cluster until Ctrl-C/SIGTERM."""
     import ray
 
-    from coordinator.cluster import Cluster
-    from coordinator.ray_env import init_ray
-    from coordinator.router_actor import ROUTER_NAME
+    from kvledger.coordinator.cluster import Cluster
+    from kvledger.coordinator.ray_env import init_ray
+    from kvledger.coordinator.router_actor import ROUTER_NAME
 
     existing = ClusterState.load()
     if workload is None and existing is not None and is_alive(existing.owner_pid, existing.owner_start):
@@ -114,7 +114,7 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
             f"process group formed ({'nccl' if cluster.device == 'cuda' else 'gloo'}), "
             f"agreed block counts (device, host) = {cluster.block_counts}")
         if workload is not None:
-            from launch.workload import run_bundled
+            from kvledger.launch.workload import run_bundled
             # A one-shot run takes any free port, so it never collides with a cluster already serving.
             router_actor, router_url = _start_router(cluster, host, 0, False, out, policy, vllm_events)
             if router_actor is None:
@@ -172,7 +172,7 @@ def up_detached(argv: list[str], out: Callable[[str], None] = print) -> int:
     log = state_dir() / "up.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", *argv], stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "kvledger.launch.cli", "up", *argv], stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=os.environ.copy())
     deadline = time.monotonic() + DETACH_WAIT_S
     while time.monotonic() < deadline:
@@ -212,8 +212,8 @@ def _connect(state: ClusterState):
     if not _reachable(state.address):
         raise ConnectionError(f"nothing answers at {state.address}")
 
-    from coordinator.cluster import Cluster
-    from coordinator.ray_env import init_ray
+    from kvledger.coordinator.cluster import Cluster
+    from kvledger.coordinator.ray_env import init_ray
 
     init_ray(address=state.address, namespace=state.namespace, ship_code=False, log_to_driver=False)
     return ray, Cluster.connect(ClusterConfig(namespace=state.namespace, name_prefix=state.name_prefix))

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import httpx
 
-from coordinator.cluster import Cluster
-from coordinator.migration import Migrator
-from worker.tokenizer import decode, encode
+from kvledger.coordinator.cluster import Cluster
+from kvledger.coordinator.migration import Migrator
+from kvledger.worker.engine.tokenizer import decode, encode
 
 SYSTEM = "You are the kvledger demo assistant. Answer in one short sentence, plainly.\n"
 DOCS = "Context: KV blocks are reused when prompts share a prefix; ranks agree on block counts.\n"

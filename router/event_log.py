@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from worker.events import KVEvent
+from kvledger.worker.wire.events import KVEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.index import ApplyResult, ApplyStatus, PrefixIndex, check_event
-from worker.block_key import ROOT_HASH, block_keys, chain_hashes
-from worker.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch, KVCacheCreated,
-                           KVEvent)
+from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex, check_event
+from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
+from kvledger.worker.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockUpdated,
+    EventBatch,
+    KVCacheCreated,
+    KVEvent,
+)
 
 
 @dataclass(slots=True)

@@ -26,10 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from router.policies import NoLiveRankError
-from router.service import RouterService
-from worker.errors import OutOfBlocksError
-from worker.tokenizer import decode, encode
+from kvledger.router.policies import NoLiveRankError
+from kvledger.router.service import RouterService
+from kvledger.worker.engine.tokenizer import decode, encode
+from kvledger.worker.ledger.errors import OutOfBlocksError
 
 logger = logging.getLogger(__name__)
 

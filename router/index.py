@@ -27,8 +27,17 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 from typing import Protocol
 
-from worker.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch, KVCacheCreated,
-                           KVEvent, Medium, decode_batch)
+from kvledger.worker.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockUpdated,
+    EventBatch,
+    KVCacheCreated,
+    KVEvent,
+    Medium,
+    decode_batch,
+)
 
 _U64_MAX = 2**64 - 1
 _INT_ONLY = frozenset({int})

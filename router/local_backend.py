@@ -12,9 +12,10 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-from router.backend import RankDiedError, RankMethodsBackend
-from worker.config import CacheConfig
-from worker.rank import RankNotReadyError, RankWorker
+from kvledger.router.backend import RankDiedError, RankMethodsBackend
+from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.rank.worker import RankNotReadyError, RankWorker
+
 
 class LocalBackend(RankMethodsBackend):
     """``RankBackend`` over ``RankWorker`` objects of this process (see the module docstring)."""

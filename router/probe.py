@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.index import PrefixIndex
-from worker.block_key import MmKey, block_hashes
+from kvledger.router.index import PrefixIndex
+from kvledger.worker.wire.block_key import MmKey, block_hashes
 
 
 @dataclass(slots=True)

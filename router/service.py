@@ -23,17 +23,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.backend import RankBackend, RankDiedError, RankLoad
-from router.event_log import EventLog, EventRecord, event_to_dict
-from router.foreign import ForeignFeed
-from router.index import ApplyResult, ApplyStatus, PrefixIndex
-from router.policies import NoLiveRankError, RankState, RouteDecision, RouteRequest, RoutingPolicy, make_policy
-from router.probe import PrefixMatch, match_prefix
-from router.stats import LatencyHistogram, RateMeter
-from worker.events import EventBatch, decode_batch
-from worker.publisher import PublishedBatch, Snapshot
-from worker.request import Request, RetentionConfig, TokenRange
-from worker.tokenizer import VOCAB_SIZE
+from kvledger.router.backend import RankBackend, RankDiedError, RankLoad
+from kvledger.router.event_log import EventLog, EventRecord, event_to_dict
+from kvledger.router.foreign import ForeignFeed
+from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex
+from kvledger.router.policies import NoLiveRankError, RankState, RouteDecision, RouteRequest, RoutingPolicy, make_policy
+from kvledger.router.probe import PrefixMatch, match_prefix
+from kvledger.router.stats import LatencyHistogram, RateMeter
+from kvledger.worker.engine.tokenizer import VOCAB_SIZE
+from kvledger.worker.ledger.request import Request, RetentionConfig, TokenRange
+from kvledger.worker.rank.publisher import PublishedBatch, Snapshot
+from kvledger.worker.wire.events import EventBatch, decode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -515,7 +515,7 @@ class RouterService:
 
         Probes report how much of a prompt the engine holds; the router never sends it requests.
         """
-        from router.vllm_events import VllmEventSubscriber
+        from kvledger.router.vllm_events import VllmEventSubscriber
 
         with self._lock:
             if any(f.endpoint == endpoint for f in self._foreign.values()):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from router.foreign import ForeignFeed
-from router.index import ApplyStatus
-from worker.events import EventBatch, EventDecodeError, decode_batch
+from kvledger.router.foreign import ForeignFeed
+from kvledger.router.index import ApplyStatus
+from kvledger.worker.wire.events import EventBatch, EventDecodeError, decode_batch
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import coordinator  # noqa: E402,F401  (sets the Ray environment before anything imports ray)
+import kvledger.coordinator  # noqa: E402,F401  (sets the Ray environment before anything imports ray)
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +14,7 @@ def ray_session():
     """One local Ray (127.0.0.1, no dashboard) for the whole test session, shut down at its end."""
     import ray
 
-    from coordinator.ray_env import init_ray
+    from kvledger.coordinator.ray_env import init_ray
 
     if not ray.is_initialized():
         init_ray(num_cpus=2, log_to_driver=False)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from worker import CacheConfig, KVCacheManager, Request
-from worker.block import PRIMARY
+from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request
+from kvledger.worker.ledger.block import PRIMARY
 
 
 class FakeClock:

@@ -12,15 +12,15 @@ import torch
 
 
 def main() -> int:
-    import coordinator  # noqa: F401  (before ray: loopback-only Ray)
     import ray
     from ray.cluster_utils import Cluster as RayCluster
 
-    from coordinator.cluster import Cluster
-    from coordinator.config import ClusterConfig
-    from coordinator.migration import Migrator
-    from coordinator.ray_env import ray_env_vars
-    from worker import CacheConfig
+    import kvledger.coordinator  # noqa: F401  (before ray: loopback-only Ray)
+    from kvledger.coordinator.cluster import Cluster
+    from kvledger.coordinator.config import ClusterConfig
+    from kvledger.coordinator.migration import Migrator
+    from kvledger.coordinator.ray_env import ray_env_vars
+    from kvledger.worker.ledger import CacheConfig
 
     ray_env_vars()
     node_args = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
@@ -30,7 +30,7 @@ def main() -> int:
         for _ in range(2):
             sim.add_node(**node_args)
         sim.wait_for_nodes(timeout=60)
-        from coordinator.ray_env import init_ray
+        from kvledger.coordinator.ray_env import init_ray
         init_ray(address=sim.address, ship_code=True, log_to_driver=False)  # code travels by py_modules
         cache = CacheConfig(tokens_per_block=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                             device="cpu", num_primary_blocks=32)

@@ -11,14 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.bench.bounds import compute_bounds, infinite_cached_tokens, pooled_lru_cached_tokens
-from launch.bench.runner import BenchConfig, run
-from launch.bench.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
-from launch.bench.trace import (BlockChains, SyntheticConfig, TraceRequest, expand_tokens,
-                                generate_synthetic, load_mooncake, request_tokens, write_trace)
-from launch.bench_cli import add_bench_parser, run_bench
-from router.policies import policy_names
-from router.probe import prompt_hashes
+from kvledger.launch.bench.bounds import compute_bounds, infinite_cached_tokens, pooled_lru_cached_tokens
+from kvledger.launch.bench.runner import BenchConfig, run
+from kvledger.launch.bench.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
+from kvledger.launch.bench.trace import (
+    BlockChains,
+    SyntheticConfig,
+    TraceRequest,
+    expand_tokens,
+    generate_synthetic,
+    load_mooncake,
+    request_tokens,
+    write_trace,
+)
+from kvledger.launch.bench_cli import add_bench_parser, run_bench
+from kvledger.router.policies import policy_names
+from kvledger.router.probe import prompt_hashes
 
 # The head of Mooncake's conversation trace, shipped with the tests (see tests/data/README.md).
 MOONCAKE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_head150.jsonl"

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from launch.bench import report
-from launch.bench.runner import BenchConfig, run
-from launch.bench.tiny import TinyOptions, fit_trace, load_tiny_trace, tiny_tokens
-from launch.bench.trace import BlockChains, SyntheticConfig, generate_synthetic
-from launch.bench_cli import add_bench_parser, run_bench
-from worker.tokenizer import VOCAB_SIZE
+from kvledger.launch.bench import report
+from kvledger.launch.bench.runner import BenchConfig, run
+from kvledger.launch.bench.tiny import TinyOptions, fit_trace, load_tiny_trace, tiny_tokens
+from kvledger.launch.bench.trace import BlockChains, SyntheticConfig, generate_synthetic
+from kvledger.launch.bench_cli import add_bench_parser, run_bench
+from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 
 REQUESTS = 20
 POLICIES = ("kv", "round_robin")

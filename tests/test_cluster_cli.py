@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main
-from launch.state import ClusterState, descendants, is_alive
+from kvledger.launch.cli import main
+from kvledger.launch.state import ClusterState, descendants, is_alive
 
 ROOT = Path(__file__).parent.parent
 
@@ -23,7 +23,7 @@ def home(tmp_path, monkeypatch):
 
 def kvledger(home: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVLEDGER_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvledger.launch.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from coordinator.cluster import Cluster
-from coordinator.config import ClusterConfig
-from coordinator.migration import Migrator
-from worker import CacheConfig
+from kvledger.coordinator.cluster import Cluster
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.coordinator.migration import Migrator
+from kvledger.worker.ledger import CacheConfig
 
 T = 4
 TIMEOUT = 60

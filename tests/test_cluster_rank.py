@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ledger_helpers import make_manager, make_request, serve
-from worker import CacheConfig, OutOfBlocksError
-from worker.block import SECONDARY
-from worker.events import BlockStored, decode_batch
-from worker.rank import RankWorker, request_from_dict
+
+from kvledger.worker.ledger import CacheConfig, OutOfBlocksError
+from kvledger.worker.ledger.block import SECONDARY
+from kvledger.worker.rank.worker import RankWorker, request_from_dict
+from kvledger.worker.wire.events import BlockStored, decode_batch
 
 T = 4
 
@@ -123,7 +123,7 @@ def test_pin_prefix_out_of_blocks_changes_nothing():
 
 
 def test_contiguous_view_only_for_one_ascending_run():
-    from worker.rank import _contiguous_view
+    from kvledger.worker.rank.worker import _contiguous_view
     pool = torch.arange(10.0).reshape(10, 1)
     view = _contiguous_view(pool, [3, 4, 5])
     assert view is not None and view.data_ptr() == pool[3].data_ptr() and view.is_contiguous()

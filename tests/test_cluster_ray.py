@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from coordinator.cluster import Cluster
-from coordinator.config import ClusterConfig
-from coordinator.migration import Migrator
-from worker import CacheConfig, block_hashes
-from worker.events import BlockStored, decode_batch
+from kvledger.coordinator.cluster import Cluster
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.coordinator.migration import Migrator
+from kvledger.worker.ledger import CacheConfig, block_hashes
+from kvledger.worker.wire.events import BlockStored, decode_batch
 
 T = 4
 BLOCK_BYTES = 2 * 2 * T * 2 * 8 * 4  # layers * K|V * tokens * heads * head_dim * float32

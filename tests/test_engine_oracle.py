@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from worker import CacheConfig, KVCacheManager, OutOfBlocksError, Request
-from worker.engine import ReferenceEngine, ServeResult
-from worker.tokenizer import VOCAB_SIZE
+from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
+from kvledger.worker.engine.tokenizer import VOCAB_SIZE
+from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError, Request
 
 ATOL = RTOL = 1e-4
 T = 4

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.events import (
+from kvledger.worker.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

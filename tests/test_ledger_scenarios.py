@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ledger_helpers import FakeClock, make_manager, make_request, read_kv, serve, token_value
-from worker import MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange, block_hashes
-from worker.block import PRIMARY, SECONDARY
-from worker.events import BlockRemoved, BlockStored, BlockUpdated
+
+from kvledger.worker.ledger import MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange, block_hashes
+from kvledger.worker.ledger.block import PRIMARY, SECONDARY
+from kvledger.worker.wire.events import BlockRemoved, BlockStored, BlockUpdated
 
 A = list(range(100, 112))  # three full blocks
 

@@ -1,12 +1,19 @@
 """Random workloads on a small two-tier ledger: the books balance and reused KV is right after every step."""
 from __future__ import annotations
 
-from hypothesis import Phase, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
-
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from ledger_helpers import FakeClock, make_manager, read_kv, token_value, write_kv
-from worker import OutOfBlocksError, Request, RetentionConfig, TokenRange
+
+from kvledger.worker.ledger import OutOfBlocksError, Request, RetentionConfig, TokenRange
 
 # Few distinct prefixes, so that prompts share blocks, partly match and collide often.
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5], [1, 2, 3]]

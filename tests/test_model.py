@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from worker.config import CacheConfig
-from worker.model import GQA_GROUP, ROPE_THETA, TinyDecoder, lora_vector
-from worker.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, decode, encode
+from kvledger.worker.engine.model import GQA_GROUP, ROPE_THETA, TinyDecoder, lora_vector
+from kvledger.worker.engine.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, decode, encode
+from kvledger.worker.ledger.config import CacheConfig
 
 ATOL = RTOL = 1e-4
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
-
 from ledger_helpers import make_manager, make_request, serve
-from worker.events import BlockStored, KVCacheCreated, decode_batch
-from worker.publisher import EventPublisher
+
+from kvledger.worker.rank.publisher import EventPublisher
+from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
 
 
 def test_batches_are_numbered_from_zero_and_replayable():

@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
-from router.index import ApplyStatus, PrefixIndex
-from router.probe import probe
-from worker import CacheConfig
-from worker.events import BlockStored, KVCacheCreated, decode_batch
-from worker.publisher import PublishedBatch
-from worker.rank import RankNotReadyError, RankWorker
+from kvledger.router.index import ApplyStatus, PrefixIndex
+from kvledger.router.probe import probe
+from kvledger.worker.ledger import CacheConfig
+from kvledger.worker.rank.publisher import PublishedBatch
+from kvledger.worker.rank.worker import RankNotReadyError, RankWorker
+from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
 
 T = 4
 

@@ -10,11 +10,11 @@ import httpx
 import pytest
 import torch
 
-from router.http import HttpServer, make_app
-from router.local_backend import LocalBackend
-from router.service import RouterConfig, RouterService
-from worker.config import CacheConfig
-from worker.tokenizer import decode, encode
+from kvledger.router.http import HttpServer, make_app
+from kvledger.router.local_backend import LocalBackend
+from kvledger.router.service import RouterConfig, RouterService
+from kvledger.worker.engine.tokenizer import decode, encode
+from kvledger.worker.ledger.config import CacheConfig
 
 T = 4
 PREFIX = "The quick brown fox jumps over the lazy dog. "   # 45 bytes: 11 full blocks
@@ -156,7 +156,7 @@ def test_a_real_vllm_engines_events_show_in_probes_but_never_get_requests():
     """A publisher written to vLLM's ZMQ framing (tests/test_router_vllm_events.py), indexed under its own rank."""
     from test_router_vllm_events import FakeVllmPublisher, vllm_stored
 
-    from router.service import FOREIGN_RANK_BASE
+    from kvledger.router.service import FOREIGN_RANK_BASE
 
     cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=32)

@@ -6,12 +6,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.foreign import ForeignFeed
-from router.index import ApplyStatus, PrefixIndex, SnapshotBlock
-from router.probe import match_prefix, prompt_hashes
-from worker.block_key import ROOT_HASH, block_keys, chain_hashes
-from worker.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch, EventDecodeError,
-                           KVCacheCreated, encode_batch)
+from kvledger.router.foreign import ForeignFeed
+from kvledger.router.index import ApplyStatus, PrefixIndex, SnapshotBlock
+from kvledger.router.probe import match_prefix, prompt_hashes
+from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
+from kvledger.worker.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockUpdated,
+    EventBatch,
+    EventDecodeError,
+    KVCacheCreated,
+    encode_batch,
+)
 
 TPB = 4
 H = [0x1000 + i for i in range(32)]   # stand-in chained hashes: the index treats hashes as opaque
@@ -147,7 +155,7 @@ def test_load_snapshot_counts_duplicates_and_replaces_holdings(index):
 
 
 def test_load_snapshot_accepts_the_ledgers_snapshot_entries(index):
-    from worker.manager import StoredBlock
+    from kvledger.worker.ledger.manager import StoredBlock
     index.load_snapshot(1, [StoredBlock(H[0], None, [1] * TPB, "CPU", None, None, 35)], next_seq=0)
     assert index.refs(1, H[0]) == (0, 1)
 

@@ -6,12 +6,21 @@ import random
 
 import pytest
 
-from router.index import PrefixIndex
-from router.policies import (CacheAwarePolicy, KvCostModel, KvPolicy, NoLiveRankError, RankState, RouteDecision,
-                             RouteRequest, make_policy, policy_names)
-from router.policies.approx_tree import ApproxTree
-from router.probe import PrefixMatch, match_prefix
-from worker.events import BlockStored, EventBatch
+from kvledger.router.index import PrefixIndex
+from kvledger.router.policies import (
+    CacheAwarePolicy,
+    KvCostModel,
+    KvPolicy,
+    NoLiveRankError,
+    RankState,
+    RouteDecision,
+    RouteRequest,
+    make_policy,
+    policy_names,
+)
+from kvledger.router.policies.approx_tree import ApproxTree
+from kvledger.router.probe import PrefixMatch, match_prefix
+from kvledger.worker.wire.events import BlockStored, EventBatch
 
 TPB = 4
 CACHE_AWARE = ["kv", "cache_aware", "dynamo", "llm_d"]

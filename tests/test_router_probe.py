@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from router.index import PrefixIndex
-from router.probe import PrefixMatch, match_prefix, probe, prompt_hashes
-from worker.block_key import block_hashes
-from worker.events import BlockRemoved, BlockStored, BlockUpdated, EventBatch
+from kvledger.router.index import PrefixIndex
+from kvledger.router.probe import PrefixMatch, match_prefix, probe, prompt_hashes
+from kvledger.worker.wire.block_key import block_hashes
+from kvledger.worker.wire.events import BlockRemoved, BlockStored, BlockUpdated, EventBatch
 
 TPB = 4
 
@@ -99,7 +99,7 @@ def test_unknown_prompt_and_empty_prompt_match_nothing():
 
 def test_probe_agrees_with_real_ledgers_fed_by_their_own_events():
     """Two real ledgers under load (offload to a host tier, eviction); the index only sees their events."""
-    from worker import CacheConfig, KVCacheManager, Request
+    from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request
 
     rng = random.Random(5)
     index = PrefixIndex(TPB)

@@ -10,12 +10,12 @@ import httpx
 import pytest
 import torch
 
-from coordinator.cluster import Cluster
-from coordinator.config import ClusterConfig
-from coordinator.router_actor import RouterActorConfig, start_router
-from launch.cli import main as cli
-from worker import CacheConfig
-from worker.tokenizer import encode
+from kvledger.coordinator.cluster import Cluster
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.coordinator.router_actor import RouterActorConfig, start_router
+from kvledger.launch.cli import main as cli
+from kvledger.worker.engine.tokenizer import encode
+from kvledger.worker.ledger import CacheConfig
 
 T = 8
 TIMEOUT = 60

@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from router.index import ApplyStatus
-from router.local_backend import LocalBackend
-from router.policies import NoLiveRankError, make_policy
-from router.service import RouterConfig, RouterService
-from worker.config import CacheConfig
+from kvledger.router.index import ApplyStatus
+from kvledger.router.local_backend import LocalBackend
+from kvledger.router.policies import NoLiveRankError, make_policy
+from kvledger.router.service import RouterConfig, RouterService
+from kvledger.worker.ledger.config import CacheConfig
 
 T = 4
 

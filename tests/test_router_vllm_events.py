@@ -8,10 +8,10 @@ import msgpack
 import pytest
 import zmq
 
-from router.foreign import ForeignFeed
-from router.index import PrefixIndex
-from router.probe import probe
-from router.vllm_events import END_SEQ, VllmEventSubscriber
+from kvledger.router.foreign import ForeignFeed
+from kvledger.router.index import PrefixIndex
+from kvledger.router.probe import probe
+from kvledger.router.vllm_events import END_SEQ, VllmEventSubscriber
 
 T = 4
 VLLM_RANK = 100

@@ -1,13 +1,8 @@
-"""One rank's KV ledger: block keys and hashes, the prefix tree, eviction, tiers, the cache manager."""
-from worker.block_key import BlockHash, BlockKey, MmKey, block_hashes
-from worker.config import DEFAULT_PRIORITY, CacheConfig
-from worker.errors import OutOfBlocksError
-from worker.manager import KVCacheManager, StoredBlock
-from worker.request import Request, RetentionConfig, TokenRange
-from worker.stats import Admission, KvCacheStats, PrefixReuseSummary
+"""One rank of a kvledger cluster, in four rooms.
 
-__all__ = [
-    "Admission", "BlockHash", "BlockKey", "CacheConfig", "DEFAULT_PRIORITY", "KVCacheManager", "KvCacheStats",
-    "MmKey", "OutOfBlocksError", "PrefixReuseSummary", "Request", "RetentionConfig", "StoredBlock", "TokenRange",
-    "block_hashes",
-]
+``wire`` is what crosses a process (events, block hashes, numbered batches,
+router-to-rank messages; msgpack only, no torch), ``ledger`` the rank's books,
+``engine`` the reference model that serves through them, ``rank`` the runtime
+around both (process group, transfers, serving, publishing, the Ray actor).
+Nothing is imported here, so ``import kvledger.worker.wire`` stays torch-free.
+"""

@@ -4,10 +4,10 @@
 pooled-LRU hit rates), ``simulator`` (the discrete-event replay), ``report``
 (table, JSON, PNG) and ``runner`` (all of it, policies in parallel processes).
 """
-from launch.bench.bounds import Bounds, compute_bounds
-from launch.bench.runner import BenchConfig, BenchResult, run
-from launch.bench.simulator import PolicyRun, SimConfig, SimCosts, simulate
-from launch.bench.trace import SyntheticConfig, Trace, TraceRequest, generate_synthetic, load_mooncake
+from kvledger.launch.bench.bounds import Bounds, compute_bounds
+from kvledger.launch.bench.runner import BenchConfig, BenchResult, run
+from kvledger.launch.bench.simulator import PolicyRun, SimConfig, SimCosts, simulate
+from kvledger.launch.bench.trace import SyntheticConfig, Trace, TraceRequest, generate_synthetic, load_mooncake
 
 __all__ = ["BenchConfig", "BenchResult", "Bounds", "PolicyRun", "SimConfig", "SimCosts", "SyntheticConfig", "Trace",
            "TraceRequest", "compute_bounds", "generate_synthetic", "load_mooncake", "run", "simulate"]

@@ -10,13 +10,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from launch.bench.bounds import Bounds, compute_bounds
-from launch.bench.report import PolicySummary, summarize
-from launch.bench.simulator import PolicyRun, RouteHasher, SimConfig, SimCosts, check_fits, simulate
-from launch.bench.tiny import TinyOptions
-from launch.bench.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, generate_synthetic,
-                                load_mooncake)
-from router.policies import policy_names
+from kvledger.launch.bench.bounds import Bounds, compute_bounds
+from kvledger.launch.bench.report import PolicySummary, summarize
+from kvledger.launch.bench.simulator import PolicyRun, RouteHasher, SimConfig, SimCosts, check_fits, simulate
+from kvledger.launch.bench.tiny import TinyOptions
+from kvledger.launch.bench.trace import (
+    MOONCAKE_BLOCK_SIZE,
+    BlockChains,
+    SyntheticConfig,
+    Trace,
+    generate_synthetic,
+    load_mooncake,
+)
+from kvledger.router.policies import policy_names
 
 SYNTHETIC = "synthetic"
 #: Block size of generated traces when ``--tokens-per-block`` is not given.
@@ -171,7 +177,7 @@ def run(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
     (the CLI opens its progress bars there). ``engine="tiny"`` replays over HTTP through a real local cluster
     instead (``launch.bench.tiny.run_tiny``)."""
     if config.engine == "tiny":
-        from launch.bench.tiny import run_tiny
+        from kvledger.launch.bench.tiny import run_tiny
         return run_tiny(config, progress, on_trace)
     wall0 = time.perf_counter()
     trace, tpb = load_trace(config)

@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from launch.bench.trace import BlockChains, Trace, TraceRequest, request_tokens
-from router.index import PrefixIndex
-from router.policies import RankState, RouteRequest, RoutingPolicy, make_policy
-from router.policies.base import check_nonneg_numbers
-from router.probe import PrefixMatch, match_prefix
-from worker import CacheConfig, KVCacheManager, OutOfBlocksError, Request
-from worker.block_key import ROOT_HASH, BlockKey, chain_hash
-from worker.publisher import EventPublisher
+from kvledger.launch.bench.trace import BlockChains, Trace, TraceRequest, request_tokens
+from kvledger.router.index import PrefixIndex
+from kvledger.router.policies import RankState, RouteRequest, RoutingPolicy, make_policy
+from kvledger.router.policies.base import check_nonneg_numbers
+from kvledger.router.probe import PrefixMatch, match_prefix
+from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError, Request
+from kvledger.worker.rank.publisher import EventPublisher
+from kvledger.worker.wire.block_key import ROOT_HASH, BlockKey, chain_hash
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,15 +48,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
 import numpy as np
 
-from launch.bench.bounds import compute_bounds
-from launch.bench.report import summarize
-from launch.bench.simulator import PolicyRun, SimConfig, check_fits
-from launch.bench.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, TraceRequest,
-                                expand_tokens, generate_synthetic, load_mooncake)
-from worker.tokenizer import VOCAB_SIZE
+import kvledger.coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
+from kvledger.launch.bench.bounds import compute_bounds
+from kvledger.launch.bench.report import summarize
+from kvledger.launch.bench.simulator import PolicyRun, SimConfig, check_fits
+from kvledger.launch.bench.trace import (
+    MOONCAKE_BLOCK_SIZE,
+    BlockChains,
+    SyntheticConfig,
+    Trace,
+    TraceRequest,
+    expand_tokens,
+    generate_synthetic,
+    load_mooncake,
+)
+from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 
 #: Block size of the tiny cluster's ledgers when ``--tokens-per-block`` is not given.
 TINY_BLOCK_SIZE = 16
@@ -182,11 +190,11 @@ class PolicyReplay:
     def _start(self):  # type: ignore[no-untyped-def]
         import torch
 
-        from coordinator.cluster import Cluster
-        from coordinator.config import ClusterConfig
-        from coordinator.router_actor import RouterActorConfig, start_router
-        from router.service import RouterConfig
-        from worker import CacheConfig
+        from kvledger.coordinator.cluster import Cluster
+        from kvledger.coordinator.config import ClusterConfig
+        from kvledger.coordinator.router_actor import RouterActorConfig, start_router
+        from kvledger.router.service import RouterConfig
+        from kvledger.worker.ledger import CacheConfig
 
         s = self.sim
         cache = CacheConfig(tokens_per_block=s.tokens_per_block, num_layers=2, num_kv_heads=2, head_dim=32,
@@ -316,7 +324,7 @@ def run_tiny(config, progress: Callable[[str, int], None] | None = None,  # type
     Starts a local Ray on 127.0.0.1 when none is initialised (and shuts it down at the end); in a
     running Ray (the tests' session fixture) it uses that one.
     """
-    from launch.bench.runner import BenchResult
+    from kvledger.launch.bench.runner import BenchResult
 
     wall0 = time.perf_counter()
     options = config.tiny
@@ -344,7 +352,7 @@ def run_tiny(config, progress: Callable[[str, int], None] | None = None,  # type
     import ray
     started_ray = False
     if not ray.is_initialized():
-        from coordinator.ray_env import init_ray
+        from kvledger.coordinator.ray_env import init_ray
         init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(ranks * options.num_cpus_per_rank)), log_to_driver=False)
         started_ray = True
     runs: dict[str, PolicyRun] = {}

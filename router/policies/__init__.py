@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from router.policies.base import (NoLiveRankError, RankState, RouteDecision, RouteRequest, RoutingPolicy,
-                                  live_ranks)
-from router.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
-from router.policies.dynamo import DynamoCostConfig, DynamoPolicy
-from router.policies.kv import KvCostModel, KvPolicy
-from router.policies.llm_d import LlmDPolicy, LlmDWeights
-from router.policies.power_of_two import PowerOfTwoPolicy
-from router.policies.random_choice import RandomPolicy
-from router.policies.round_robin import RoundRobinPolicy
+from kvledger.router.policies.base import (
+    NoLiveRankError,
+    RankState,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    live_ranks,
+)
+from kvledger.router.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
+from kvledger.router.policies.dynamo import DynamoCostConfig, DynamoPolicy
+from kvledger.router.policies.kv import KvCostModel, KvPolicy
+from kvledger.router.policies.llm_d import LlmDPolicy, LlmDWeights
+from kvledger.router.policies.power_of_two import PowerOfTwoPolicy
+from kvledger.router.policies.random_choice import RandomPolicy
+from kvledger.router.policies.round_robin import RoundRobinPolicy
 
 DEFAULT_POLICY = "kv"
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from router.probe import PrefixMatch, prompt_hashes
-from worker.block_key import validate_prompt
+from kvledger.router.probe import PrefixMatch, prompt_hashes
+from kvledger.worker.wire.block_key import validate_prompt
 
 
 class NoLiveRankError(RuntimeError):

@@ -14,10 +14,17 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from router.policies.approx_tree import ApproxTree
-from router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
-                                  matched_tokens, pick_best)
-from router.probe import PrefixMatch
+from kvledger.router.policies.approx_tree import ApproxTree
+from kvledger.router.policies.base import (
+    ConfiguredPolicy,
+    RankState,
+    RouteDecision,
+    RouteRequest,
+    live_ranks,
+    matched_tokens,
+    pick_best,
+)
+from kvledger.router.probe import PrefixMatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from router.policies.base import (ConfiguredPolicy, check_nonneg_numbers, RankState, RouteDecision, RouteRequest, live_ranks,
-                                  matched_tokens, pick_best)
-from router.probe import PrefixMatch
+from kvledger.router.policies.base import (
+    ConfiguredPolicy,
+    RankState,
+    RouteDecision,
+    RouteRequest,
+    check_nonneg_numbers,
+    live_ranks,
+    matched_tokens,
+    pick_best,
+)
+from kvledger.router.probe import PrefixMatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,15 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from router.policies.base import RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks, matched_tokens
-from router.probe import PrefixMatch
+from kvledger.router.policies.base import (
+    RankState,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    live_ranks,
+    matched_tokens,
+)
+from kvledger.router.probe import PrefixMatch
 
 
 class PowerOfTwoPolicy(RoutingPolicy):

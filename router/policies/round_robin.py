@@ -3,8 +3,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from router.policies.base import RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks, matched_tokens
-from router.probe import PrefixMatch
+from kvledger.router.policies.base import (
+    RankState,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    live_ranks,
+    matched_tokens,
+)
+from kvledger.router.probe import PrefixMatch
 
 
 class RoundRobinPolicy(RoutingPolicy):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.block import Block
-from worker.block_key import BlockKey
+from kvledger.worker.ledger.block import Block
+from kvledger.worker.wire.block_key import BlockKey
 
 _Bucket = tuple[int, int | None, str | None, tuple[tuple[str, int], ...]]
 

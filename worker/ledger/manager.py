@@ -10,23 +10,31 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
-from worker.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
-from worker.block_key import BlockKey, MmKey, block_keys, validate_prompt
-from worker.config import DEFAULT_PRIORITY, CacheConfig
-from worker.errors import OutOfBlocksError
-from worker.event_buffer import EventBuffer
-from worker.eviction import EvictionPolicy, level_of
-from worker.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, KVCacheCreated, KVEvent
-from worker.kv_pool import TieredPools
-from worker.radix_tree import PrefixTree, TreeNode
-from worker.request import Request
-from worker.sequence import Sequence
-from worker.stats import Admission, KvCacheStats, PrefixReuseSummary
+from kvledger.worker.ledger.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
+from kvledger.worker.ledger.config import DEFAULT_PRIORITY, CacheConfig
+from kvledger.worker.ledger.errors import OutOfBlocksError
+from kvledger.worker.ledger.event_buffer import EventBuffer
+from kvledger.worker.ledger.eviction import EvictionPolicy, level_of
+from kvledger.worker.ledger.kv_pool import TieredPools
+from kvledger.worker.ledger.prefix_tree import PrefixTree, TreeNode
+from kvledger.worker.ledger.request import Request
+from kvledger.worker.ledger.sequence import Sequence
+from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary
+from kvledger.worker.wire.block_key import BlockKey, MmKey, block_keys, validate_prompt
+from kvledger.worker.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockUpdated,
+    KVCacheCreated,
+    KVEvent,
+)
 
 logger = logging.getLogger(__name__)
 

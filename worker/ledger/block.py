@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from worker.block_key import BlockHash, BlockKey
+from kvledger.worker.wire.block_key import BlockHash, BlockKey
 
 if TYPE_CHECKING:
-    from worker.radix_tree import TreeNode
+    from kvledger.worker.ledger.prefix_tree import TreeNode
 
 PRIMARY, SECONDARY = 0, 1
 TIER_MEDIUM = ("GPU", "CPU")

@@ -11,9 +11,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from worker.block import PRIMARY, SECONDARY
-from worker.config import CacheConfig
-from worker.device import host_pin_memory, resolve_device
+from kvledger.worker.device import host_pin_memory, resolve_device
+from kvledger.worker.ledger.block import PRIMARY, SECONDARY
+from kvledger.worker.ledger.config import CacheConfig
 
 CopyOp = tuple[int, int, int, int]
 """(source tier, source slot, destination tier, destination slot)."""

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.config import CacheConfig
-from worker.errors import OutOfBlocksError
-from worker.manager import KVCacheManager
-from worker.model import TinyDecoder
-from worker.request import Request
-from worker.tokenizer import VOCAB_SIZE
+from kvledger.worker.engine.model import TinyDecoder
+from kvledger.worker.engine.tokenizer import VOCAB_SIZE
+from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.ledger.errors import OutOfBlocksError
+from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.ledger.request import Request
 
 
 @dataclass(slots=True)

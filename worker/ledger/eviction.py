@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from worker.block import Block
-from worker.config import MAX_PRIORITY
-from worker.free_list import FreeList
+from kvledger.worker.ledger.block import Block
+from kvledger.worker.ledger.config import MAX_PRIORITY
+from kvledger.worker.ledger.free_list import FreeList
 
 EMPTY_LEVEL = 0
 NUM_LEVELS = MAX_PRIORITY + 2

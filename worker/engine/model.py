@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.config import CacheConfig
-from worker.tokenizer import VOCAB_SIZE
+from kvledger.worker.engine.tokenizer import VOCAB_SIZE
+from kvledger.worker.ledger.config import CacheConfig
 
 ROPE_THETA = 10_000.0
 RMS_EPS = 1e-6

@@ -21,14 +21,14 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from worker.config import CacheConfig
-from worker.device import dist_backend, resolve_device
-from worker.engine import ReferenceEngine, ServeResult
-from worker.kv_pool import copy_blocks
-from worker.manager import KVCacheManager, StoredBlock
-from worker.publisher import EventPublisher, PublishedBatch, Snapshot
-from worker.request import Request
-from worker.tokenizer import encode
+from kvledger.worker.device import dist_backend, resolve_device
+from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
+from kvledger.worker.engine.tokenizer import encode
+from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.ledger.kv_pool import copy_blocks
+from kvledger.worker.ledger.manager import KVCacheManager, StoredBlock
+from kvledger.worker.ledger.request import Request
+from kvledger.worker.rank.publisher import EventPublisher, PublishedBatch, Snapshot
 
 logger = logging.getLogger(__name__)
 

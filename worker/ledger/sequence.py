@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.block import Block
-from worker.block_key import ROOT_HASH, BlockHash, BlockKey, block_keys, chain_hashes
-from worker.request import Request
-from worker.stats import Admission
+from kvledger.worker.ledger.block import Block
+from kvledger.worker.ledger.request import Request
+from kvledger.worker.ledger.stats import Admission
+from kvledger.worker.wire.block_key import ROOT_HASH, BlockHash, BlockKey, block_keys, chain_hashes
 
 
 @dataclass(slots=True, eq=False)

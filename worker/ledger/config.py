@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.device import resolve_device
+from kvledger.worker.device import resolve_device
 
 #: Retention priorities run 0..100; blocks with no retention config get this one.
 DEFAULT_PRIORITY = 35

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from worker.block import Block
+from kvledger.worker.ledger.block import Block
 
 
 class FreeList:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from worker.events import KVEvent
+from kvledger.worker.wire.events import KVEvent
 
 
 class EventBuffer:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.block_key import MmKey, validate_prompt
-from worker.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+from kvledger.worker.ledger.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+from kvledger.worker.wire.block_key import MmKey, validate_prompt
 
 
 def _check_priority(what: str, p: object) -> None:

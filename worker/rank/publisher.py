@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from worker.events import EventBatch, KVCacheCreated, KVEvent, encode_batch
-from worker.manager import KVCacheManager, StoredBlock
+from kvledger.worker.ledger.manager import KVCacheManager, StoredBlock
+from kvledger.worker.wire.events import EventBatch, KVCacheCreated, KVEvent, encode_batch
 
 
 @dataclass(frozen=True, slots=True)

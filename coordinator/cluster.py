@@ -21,8 +21,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.worker.ledger.request import Request
-from kvledger.worker.rank.worker import RankNotReadyError, rank_actor_class
+from kvledger.worker.wire.request import Request
+from kvledger.worker.rank.worker import rank_actor_class
+from kvledger.worker.wire.errors import RankNotReadyError
 
 logger = logging.getLogger(__name__)
 

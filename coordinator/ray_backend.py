@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.migration import Migrator
 from kvledger.router.backend import RankDiedError, RankMethodsBackend
-from kvledger.worker.rank.worker import RankNotReadyError
+from kvledger.worker.wire.errors import RankNotReadyError
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvledger.worker.ledger.request import Request
-from kvledger.worker.rank.publisher import PublishedBatch, Snapshot
+from kvledger.worker.wire.request import Request
+from kvledger.worker.wire.batches import PublishedBatch, Snapshot
 
 
 class RankDiedError(RuntimeError):

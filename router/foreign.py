@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex, check_event
+from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
 from kvledger.worker.wire.events import (
     AllBlocksCleared,
@@ -26,6 +26,7 @@ from kvledger.worker.wire.events import (
     EventBatch,
     KVCacheCreated,
     KVEvent,
+    check_event,
 )
 
 
@@ -91,7 +92,7 @@ class ForeignFeed:
             if type(batch.events) is not list:
                 raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
             for i, ev in enumerate(batch.events):
-                check_event(ev, i)
+                check_event(ev, f"events[{i}]")
             overlay = _Overlay(self._maps.get(rank, {}))
             events = [out for i, ev in enumerate(batch.events)
                       if (out := self._translate(overlay, ev, i)) is not None]

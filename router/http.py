@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from kvledger.router.policies import NoLiveRankError
 from kvledger.router.service import RouterService
 from kvledger.worker.engine.tokenizer import decode, encode
-from kvledger.worker.ledger.errors import OutOfBlocksError
+from kvledger.worker.wire.errors import OutOfBlocksError
 
 logger = logging.getLogger(__name__)
 

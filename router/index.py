@@ -36,12 +36,12 @@ from kvledger.worker.wire.events import (
     KVCacheCreated,
     KVEvent,
     Medium,
+    check_event,
+    check_hash,
+    check_medium,
     decode_batch,
 )
 
-_U64_MAX = 2**64 - 1
-_INT_ONLY = frozenset({int})
-_MEDIA = ("GPU", "CPU")
 _DEV = 1                  # one device-tier ref
 _HOST = 1 << 32           # one host-tier ref
 _DEV_MASK = _HOST - 1
@@ -230,7 +230,7 @@ class PrefixIndex:
         if type(events) is not list:
             raise TypeError(f"batch.events must be a list, got {type(events).__name__}")
         for i, ev in enumerate(events):
-            check_event(ev, i)
+            check_event(ev, f"events[{i}]")
         return self._apply(rank, seq, batch)
 
     def apply_bytes(self, rank: int, seq: int, data: bytes) -> ApplyResult:
@@ -251,9 +251,9 @@ class PrefixIndex:
             except AttributeError:
                 raise TypeError(f"blocks[{i}] must have block_hash and medium (e.g. SnapshotBlock), "
                                 f"got {type(b).__name__}") from None
-            _check_hash(h, f"blocks[{i}].block_hash")
-            if medium not in _MEDIA:
-                raise ValueError(f"blocks[{i}].medium must be 'GPU' or 'CPU', got {medium!r}")
+            h = check_hash(h, f"blocks[{i}].block_hash")
+            if check_medium(medium, f"blocks[{i}].medium") is None:
+                raise ValueError(f"blocks[{i}].medium must be 'GPU' or 'CPU', got None")
             refs[h] = refs.get(h, 0) + _tier_unit(medium)
         feed = self._feeds.get(rank)
         if feed is None:
@@ -527,50 +527,3 @@ def _check_rank(rank: object) -> None:
 def _check_seq(seq: object, name: str) -> None:
     if type(seq) is not int or seq < 0:
         raise ValueError(f"{name} must be a non-negative int, got {seq!r}")
-
-
-def _check_hash(h: object, where: str) -> None:
-    if type(h) is not int or not 0 <= h <= _U64_MAX:
-        raise ValueError(f"{where} must be a u64 hash (int 0..2**64-1), got {h!r}")
-
-
-def _check_hashes(hs: object, where: str) -> None:
-    if type(hs) is not list and type(hs) is not tuple:
-        raise TypeError(f"{where} must be a list of u64 hashes, got {type(hs).__name__}")
-    # C-level passes first; the per-item loop only runs to name the culprit.
-    if not (_INT_ONLY.issuperset(map(type, hs)) and (not hs or (min(hs) >= 0 and max(hs) <= _U64_MAX))):
-        for i, h in enumerate(hs):
-            _check_hash(h, f"{where}[{i}]")
-
-
-def _check_medium(m: object, where: str) -> None:
-    if m is not None and m not in _MEDIA:
-        raise ValueError(f"{where} must be 'GPU', 'CPU' or None, got {m!r}")
-
-
-def check_event(ev: object, i: int) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the first bad field of ``events[i]``.
-
-    The fields an in-process caller could get wrong; the wire decoder checks the same on bytes.
-    """
-    t = type(ev)
-    where = f"events[{i}]"
-    if t is BlockStored:
-        _check_hashes(ev.block_hashes, f"{where}.block_hashes")
-        if ev.parent_block_hash is not None:
-            _check_hash(ev.parent_block_hash, f"{where}.parent_block_hash")
-        if type(ev.block_size) is not int:
-            raise TypeError(f"{where}.block_size must be an int, got {type(ev.block_size).__name__}")
-        _check_medium(ev.medium, f"{where}.medium")
-    elif t is BlockRemoved:
-        _check_hashes(ev.block_hashes, f"{where}.block_hashes")
-        _check_medium(ev.medium, f"{where}.medium")
-    elif t is BlockUpdated:
-        _check_hash(ev.block_hash, f"{where}.block_hash")
-        _check_medium(ev.old_medium, f"{where}.old_medium")
-        _check_medium(ev.new_medium, f"{where}.new_medium")
-    elif t is KVCacheCreated:
-        if type(ev.block_size) is not int:
-            raise TypeError(f"{where}.block_size must be an int, got {type(ev.block_size).__name__}")
-    elif t is not AllBlocksCleared:
-        raise TypeError(f"{where} must be a worker.events event, got {t.__name__}")

@@ -31,8 +31,8 @@ from kvledger.router.policies import NoLiveRankError, RankState, RouteDecision, 
 from kvledger.router.probe import PrefixMatch, match_prefix
 from kvledger.router.stats import LatencyHistogram, RateMeter
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
-from kvledger.worker.ledger.request import Request, RetentionConfig, TokenRange
-from kvledger.worker.rank.publisher import PublishedBatch, Snapshot
+from kvledger.worker.wire.request import Request, RetentionConfig, TokenRange
+from kvledger.worker.wire.batches import PublishedBatch, Snapshot
 from kvledger.worker.wire.events import EventBatch, decode_batch
 
 logger = logging.getLogger(__name__)

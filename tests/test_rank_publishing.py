@@ -10,7 +10,7 @@ import torch
 from kvledger.router.index import ApplyStatus, PrefixIndex
 from kvledger.router.probe import probe
 from kvledger.worker.ledger import CacheConfig
-from kvledger.worker.rank.publisher import PublishedBatch
+from kvledger.worker.wire.batches import PublishedBatch
 from kvledger.worker.rank.worker import RankNotReadyError, RankWorker
 from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
 

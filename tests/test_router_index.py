@@ -155,7 +155,7 @@ def test_load_snapshot_counts_duplicates_and_replaces_holdings(index):
 
 
 def test_load_snapshot_accepts_the_ledgers_snapshot_entries(index):
-    from kvledger.worker.ledger.manager import StoredBlock
+    from kvledger.worker.wire.batches import StoredBlock
     index.load_snapshot(1, [StoredBlock(H[0], None, [1] * TPB, "CPU", None, None, 35)], next_seq=0)
     assert index.refs(1, H[0]) == (0, 1)
 
@@ -196,7 +196,7 @@ def test_remove_rank_purges_at_once_and_forgets_numbering(index):
     (BlockStored([H[5], "x"], None, [], TPB), ValueError),
     (BlockStored([H[5], 2**64], None, [], TPB), ValueError),
     (BlockStored([H[5], 1.5], None, [], TPB), ValueError),
-    (BlockStored("abc", None, [], TPB), TypeError),
+    (BlockStored("abc", None, [], TPB), ValueError),
     (BlockStored([H[5]], None, [], TPB + 1), ValueError),
     (BlockRemoved([H[0]], "disk"), ValueError),
     (BlockUpdated(H[0], "GPU", "NVMe"), ValueError),

@@ -6,10 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.worker.device import resolve_device
+from kvledger.worker.wire.request import MAX_PRIORITY, MIN_PRIORITY
 
-#: Retention priorities run 0..100; blocks with no retention config get this one.
-DEFAULT_PRIORITY = 35
-MIN_PRIORITY, MAX_PRIORITY = 0, 100
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvledger.worker.ledger.block import Block
-from kvledger.worker.ledger.config import MAX_PRIORITY
+from kvledger.worker.wire.request import MAX_PRIORITY
 from kvledger.worker.ledger.free_list import FreeList
 
 EMPTY_LEVEL = 0

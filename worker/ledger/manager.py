@@ -17,16 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
-from kvledger.worker.ledger.config import DEFAULT_PRIORITY, CacheConfig
-from kvledger.worker.ledger.errors import OutOfBlocksError
+from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.wire.request import DEFAULT_PRIORITY
+from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.ledger.event_buffer import EventBuffer
 from kvledger.worker.ledger.eviction import EvictionPolicy, level_of
 from kvledger.worker.ledger.kv_pool import TieredPools
 from kvledger.worker.ledger.prefix_tree import PrefixTree, TreeNode
-from kvledger.worker.ledger.request import Request
+from kvledger.worker.wire.request import Request
 from kvledger.worker.ledger.sequence import Sequence
 from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary
 from kvledger.worker.wire.block_key import BlockKey, MmKey, block_keys, validate_prompt
+from kvledger.worker.wire.batches import StoredBlock
 from kvledger.worker.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -57,19 +59,6 @@ class _Plan:
     match: _Match
     new_blocks: int
     """Blocks to allocate, the copy destination of a partial match included."""
-
-
-@dataclass(slots=True)
-class StoredBlock:
-    """One block a rank holds, as a snapshot reports it."""
-
-    block_hash: int
-    parent_hash: int | None
-    token_ids: list[int]
-    medium: str
-    lora_id: int | None
-    cache_salt: str | None
-    priority: int
 
 
 class KVCacheManager:

@@ -13,24 +13,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from kvledger.worker.ledger.manager import KVCacheManager, StoredBlock
+from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.wire.batches import PublishedBatch, Snapshot
 from kvledger.worker.wire.events import EventBatch, KVCacheCreated, KVEvent, encode_batch
-
-
-@dataclass(frozen=True, slots=True)
-class PublishedBatch:
-    seq: int
-    data: bytes
-    """``encode_batch`` of the batch: what travels to routers and monitors."""
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    next_seq: int
-    """The first batch number not reflected in ``blocks``."""
-    blocks: list[StoredBlock]
 
 
 class EventPublisher:

@@ -26,9 +26,11 @@ from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
 from kvledger.worker.engine.tokenizer import encode
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.kv_pool import copy_blocks
-from kvledger.worker.ledger.manager import KVCacheManager, StoredBlock
-from kvledger.worker.ledger.request import Request
-from kvledger.worker.rank.publisher import EventPublisher, PublishedBatch, Snapshot
+from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.wire.request import Request
+from kvledger.worker.rank.publisher import EventPublisher
+from kvledger.worker.wire.batches import PublishedBatch, Snapshot, StoredBlock
+from kvledger.worker.wire.errors import RankNotReadyError
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +107,6 @@ class _Staging:
     def give_back(self, kept: bool) -> None:
         if kept:
             self._lock.release()
-
-
-class RankNotReadyError(RuntimeError):
-    """The rank has no ledger yet: it (re)started and the block counts were not agreed since."""
 
 
 @dataclasses.dataclass(slots=True)

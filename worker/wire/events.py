@@ -124,7 +124,7 @@ def _as_hash(v: object) -> int | None:
     return None
 
 
-def _hash(v: object, where: str) -> int:
+def check_hash(v: object, where: str) -> int:
     h = _as_hash(v)
     if h is None:
         raise _bad(where, "a u64 hash (int 0..2**64-1 or non-empty bytes)", v)
@@ -132,16 +132,15 @@ def _hash(v: object, where: str) -> int:
 
 
 def _opt_hash(v: object, where: str) -> int | None:
-    return None if v is None else _hash(v, where)
+    return None if v is None else check_hash(v, where)
 
 
 def _hash_list(v: object, where: str) -> list[int]:
     if type(v) is not list:
         raise _bad(where, "a list of u64 hashes", v)
-    # msgpack ints never exceed 2**64-1, so a list of ints only needs the lower bound.
-    if _INT_ONLY.issuperset(map(type, v)) and (not v or min(v) >= 0):
+    if _INT_ONLY.issuperset(map(type, v)) and (not v or (min(v) >= 0 and max(v) <= _U64_MAX)):
         return v
-    return [_hash(h, f"{where}[{i}]") for i, h in enumerate(v)]
+    return [check_hash(h, f"{where}[{i}]") for i, h in enumerate(v)]
 
 
 def _token_list(v: object, where: str) -> list[int]:
@@ -172,7 +171,7 @@ def _opt_priority(v: object, where: str) -> int | None:
     raise _bad(where, "a priority (int 0..100) or None", v)
 
 
-def _medium(v: object, where: str) -> Medium | None:
+def check_medium(v: object, where: str) -> Medium | None:
     if v is None or (type(v) is str and v in _MEDIA):
         return v  # type: ignore[return-value]  # narrowed to the Literal by the check above
     raise _bad(where, "'GPU', 'CPU' or None", v)
@@ -199,16 +198,16 @@ _CHECKS: dict[str, _Check] = {
     "token_ids": _token_list,
     "block_size": _positive_int,
     "lora_id": _opt_count,
-    "medium": _medium,
+    "medium": check_medium,
     "lora_name": _opt_str,
     "cache_salt": _opt_str,
     "priority": _opt_priority,
     "group_idx": _count,
     "kv_cache_spec_kind": _opt_str,
     "num_blocks": _tier_counts,
-    "block_hash": _hash,
-    "old_medium": _medium,
-    "new_medium": _medium,
+    "block_hash": check_hash,
+    "old_medium": check_medium,
+    "new_medium": check_medium,
     "old_priority": _opt_priority,
     "new_priority": _opt_priority,
 }
@@ -257,6 +256,14 @@ class _Kind:
         return self.cls(*[check(a[s] if 0 < s < n else d, where) for check, s, where, d
                           in zip(self.checks, self.slots, self.wheres, self.defaults)])
 
+    def check(self, e: KVEvent, where: str) -> None:
+        """The decoder's checks on an event built in this process: each field must be what decoding
+        would have produced (so a hash given as bytes, which the wire may carry, is refused here)."""
+        for check, name in zip(self.checks, self.names):
+            v = getattr(e, name)
+            if check(v, f"{where}.{name}") is not v:
+                raise _bad(f"{where}.{name}", "the decoded form (hashes as u64 ints)", v)
+
     def to_map(self, e: KVEvent) -> dict[str, object]:
         """``"type"`` first, then the fields in declaration order, so vLLM-style readers can read it."""
         out: dict[str, object] = {"type": self.tag}
@@ -275,8 +282,18 @@ def encode_batch(batch: EventBatch) -> bytes:
     try:
         events = [_KIND_OF_CLASS[type(e)].to_map(e) for e in batch.events]
     except KeyError as e:
-        raise TypeError(f"not a KVEvent: {e.args[0].__name__}; build events from worker.events") from None
+        raise TypeError(f"not a KVEvent: {e.args[0].__name__}; build events from kvledger.worker.wire.events") from None
     return msgpack.packb([batch.ts, events, batch.rank], use_bin_type=True)
+
+
+def check_event(ev: object, where: str = "event") -> None:
+    """Validate an event built in this process with the codec's own per-field checks (one validator for
+    the wire and for in-process callers such as the router's index). ``TypeError`` for an object that is
+    no event; ``EventDecodeError`` (a ``ValueError``) naming the first bad field otherwise."""
+    kind = _KIND_OF_CLASS.get(type(ev))
+    if kind is None:
+        raise TypeError(f"{where} must be a KVEvent ({', '.join(sorted(_KINDS))}), got {type(ev).__name__}")
+    kind.check(ev, where)
 
 
 def _decode_event(raw: object) -> KVEvent:

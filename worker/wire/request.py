@@ -1,11 +1,18 @@
-"""A request as the ledger sees it: prompt tokens, reuse constraints, retention wishes."""
+"""A request as a rank receives it and the ledger sees it: prompt tokens, reuse constraints, retention wishes.
+
+Plain data with no torch: the router builds it and a rank (over Ray, or in
+this process) admits it, so it belongs to the wire.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvledger.worker.ledger.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from kvledger.worker.wire.block_key import MmKey, validate_prompt
+
+#: Retention priorities run 0..100; blocks with no retention config get this one.
+DEFAULT_PRIORITY = 35
+MIN_PRIORITY, MAX_PRIORITY = 0, 100
 
 
 def _check_priority(what: str, p: object) -> None:

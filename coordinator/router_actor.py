@@ -35,7 +35,8 @@ from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
 from kvledger.coordinator.ray_backend import RayBackend
 from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
-from kvledger.router.service import RouterConfig, RouterService, parse_vllm_endpoint
+from kvledger.router.config import RouterConfig
+from kvledger.router.service import RouterService, parse_vllm_endpoint
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ import sys
 import kvledger.coordinator  # noqa: F401  (before anything imports ray: one auth mode, loopback-only local Ray)
 from kvledger.coordinator.config import ClusterConfig
 from kvledger.router.policies import policy_names
-from kvledger.router.service import RouterConfig, parse_vllm_endpoint
+from kvledger.router.config import RouterConfig
+from kvledger.router.service import parse_vllm_endpoint
 
 _DEFAULTS = ClusterConfig()
 

@@ -66,7 +66,7 @@ def _start_router(cluster, host: str, port: int, detached: bool, out: Callable[[
     """
     try:
         from kvledger.coordinator.router_actor import ROUTER_NAME, RouterActorConfig, start_router
-        from kvledger.router.service import RouterConfig
+        from kvledger.router.config import RouterConfig
         config = RouterActorConfig(host=host, port=port, router=RouterConfig(policy=policy),
                                    vllm_events=tuple(vllm_events))
         return start_router(cluster, config, name=ROUTER_NAME, detached=detached)

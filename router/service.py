@@ -27,7 +27,8 @@ from kvledger.router.backend import RankBackend, RankDiedError, RankLoad
 from kvledger.router.event_log import EventLog, EventRecord, event_to_dict
 from kvledger.router.foreign import ForeignFeed
 from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex
-from kvledger.router.policies import NoLiveRankError, RankState, RouteDecision, RouteRequest, RoutingPolicy, make_policy
+from kvledger.router.config import RouterConfig
+from kvledger.router.policies import NoLiveRankError, RankState, RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch, match_prefix
 from kvledger.router.stats import LatencyHistogram, RateMeter
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
@@ -39,36 +40,6 @@ logger = logging.getLogger(__name__)
 
 #: Foreign engines (vLLM) are indexed under ranks from here on, far above any cluster rank.
 FOREIGN_RANK_BASE = 1000
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router's settings; ``kvledger up`` builds its flags from these fields."""
-
-    tokens_per_block: int = 16
-    """Block size of every rank (events with another size are refused)."""
-    policy: str = "kv"
-    """Routing policy by name (``router.policies.policy_names()``)."""
-    seed: int = 0
-    """Seed of the policy's tie-breaking and random choices."""
-    event_log_size: int = 10_000
-    """Decoded events kept for monitors (``events``); older ones are dropped."""
-    rate_window_s: float = 10.0
-    """Window of the events-per-second rate."""
-    load_refresh_s: float = 0.5
-    """``refresh_loads`` asks the ranks at most this often (it is called before cluster summaries)."""
-    max_retries: int = 8
-    """Ranks a completion may be retried on when the rank it was sent to dies."""
-
-    def __post_init__(self) -> None:
-        if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
-            raise ValueError(f"tokens_per_block must be a positive int, got {self.tokens_per_block!r}")
-        if type(self.event_log_size) is not int or self.event_log_size < 1:
-            raise ValueError(f"event_log_size must be an int >= 1, got {self.event_log_size!r}")
-        if not self.rate_window_s > 0 or not self.load_refresh_s >= 0:
-            raise ValueError("rate_window_s must be > 0 and load_refresh_s >= 0")
-        if type(self.max_retries) is not int or self.max_retries < 0:
-            raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +124,7 @@ class RouterService:
         self.backend = backend
         self.config = config
         self.clock = clock
-        self.policy = policy if policy is not None else make_policy(config.policy, seed=config.seed)
+        self.policy = policy if policy is not None else config.make_policy()
         self.index = PrefixIndex(config.tokens_per_block)
         self.stats = ServiceStats()
         self._lock = threading.Lock()
@@ -571,5 +542,5 @@ def parse_vllm_endpoint(spec: str) -> tuple[str, str | None]:
     return parts[0], parts[1] if len(parts) == 2 else None
 
 
-__all__ = ["FOREIGN_RANK_BASE", "CompletionResult", "EventRecord", "NoLiveRankError", "RankProbe", "RouterConfig",
+__all__ = ["FOREIGN_RANK_BASE", "CompletionResult", "EventRecord", "NoLiveRankError", "RankProbe",
            "RouterService", "event_to_dict", "parse_vllm_endpoint", "retention_for"]

@@ -12,7 +12,8 @@ import torch
 
 from kvledger.router.http import HttpServer, make_app
 from kvledger.router.local_backend import LocalBackend
-from kvledger.router.service import RouterConfig, RouterService
+from kvledger.router.config import RouterConfig
+from kvledger.router.service import RouterService
 from kvledger.worker.engine.tokenizer import decode, encode
 from kvledger.worker.ledger.config import CacheConfig
 

@@ -16,7 +16,8 @@ import torch
 from kvledger.router.index import ApplyStatus
 from kvledger.router.local_backend import LocalBackend
 from kvledger.router.policies import NoLiveRankError, make_policy
-from kvledger.router.service import RouterConfig, RouterService
+from kvledger.router.config import RouterConfig
+from kvledger.router.service import RouterService
 from kvledger.worker.ledger.config import CacheConfig
 
 T = 4

@@ -193,7 +193,7 @@ class PolicyReplay:
         from kvledger.coordinator.cluster import Cluster
         from kvledger.coordinator.config import ClusterConfig
         from kvledger.coordinator.router_actor import RouterActorConfig, start_router
-        from kvledger.router.service import RouterConfig
+        from kvledger.router.config import RouterConfig
         from kvledger.worker.ledger import CacheConfig
 
         s = self.sim

@@ -1,0 +1,44 @@
+"""The router's settings, one frozen dataclass: ``kvledger up`` builds its flags from these fields."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvledger.router.policies import DEFAULT_POLICY, RoutingPolicy, make_policy
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router indexes, routes and retries; validated on construction."""
+
+    tokens_per_block: int = 16
+    """Block size of every rank (events with another size are refused)."""
+    policy: str = DEFAULT_POLICY
+    """Routing policy by name (``kvledger.router.policies.policy_names()``)."""
+    policy_options: Mapping[str, float | int | bool] = field(default_factory=dict)
+    """Fields of the policy's own config dataclass (``KvCostModel`` for ``kv``, ``LlmDWeights`` for ``llm_d``, ...)."""
+    seed: int = 0
+    """Seed of the policy's tie-breaking and random choices."""
+    event_log_size: int = 10_000
+    """Decoded events kept for monitors (``events``); older ones are dropped."""
+    rate_window_s: float = 10.0
+    """Window of the events-per-second rate."""
+    load_refresh_s: float = 0.5
+    """``refresh_loads`` asks the ranks at most this often (it is called before cluster summaries)."""
+    max_retries: int = 8
+    """Ranks a completion may be retried on when the rank it was sent to dies."""
+
+    def __post_init__(self) -> None:
+        if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be a positive int, got {self.tokens_per_block!r}")
+        if type(self.event_log_size) is not int or self.event_log_size < 1:
+            raise ValueError(f"event_log_size must be an int >= 1, got {self.event_log_size!r}")
+        if not self.rate_window_s > 0 or not self.load_refresh_s >= 0:
+            raise ValueError("rate_window_s must be > 0 and load_refresh_s >= 0")
+        if type(self.max_retries) is not int or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
+        self.make_policy()   # an unknown policy or option fails here, naming it
+
+    def make_policy(self) -> RoutingPolicy:
+        """A fresh policy of ``policy`` with ``policy_options`` and ``seed``."""
+        return make_policy(self.policy, seed=self.seed, **dict(self.policy_options))

@@ -1,4 +1,4 @@
-"""``kvledger bench``: the flags, and a call into ``launch.bench``; nothing else happens here.
+"""``kvledger bench``: the flags, and a call into ``kvledger.replay``; nothing else happens here.
 
 Wiring (``launch/cli.py``)::
 
@@ -14,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
-from kvledger.launch.bench.simulator import SimCosts
-from kvledger.launch.bench.tiny import (
+from kvledger.replay.config import (
     CONCURRENCY,
     DEFAULT_LIMIT,
     MAX_INPUT_TOKENS,
@@ -23,6 +22,7 @@ from kvledger.launch.bench.tiny import (
     TINY_BLOCK_SIZE,
     TinyOptions,
 )
+from kvledger.replay.simulator import SimCosts
 
 _COST_HELP = {
     "prefill_tokens_per_s": "prompt tokens one rank computes per second",
@@ -131,8 +131,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvledger.launch.bench import report
-    from kvledger.launch.bench.runner import BenchConfig, run
+    from kvledger.replay import report
+    from kvledger.replay.config import BenchConfig
+    from kvledger.replay.runner import run
 
     err = Console(stderr=True)
     try:

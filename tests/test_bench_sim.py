@@ -11,10 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvledger.launch.bench.bounds import compute_bounds, infinite_cached_tokens, pooled_lru_cached_tokens
-from kvledger.launch.bench.runner import BenchConfig, run
-from kvledger.launch.bench.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
-from kvledger.launch.bench.trace import (
+from kvledger.launch.bench_cli import add_bench_parser, run_bench
+from kvledger.replay.bounds import compute_bounds, infinite_cached_tokens, pooled_lru_cached_tokens
+from kvledger.replay.config import BenchConfig
+from kvledger.replay.runner import run
+from kvledger.replay.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
+from kvledger.replay.trace import (
     BlockChains,
     SyntheticConfig,
     TraceRequest,
@@ -24,7 +26,6 @@ from kvledger.launch.bench.trace import (
     request_tokens,
     write_trace,
 )
-from kvledger.launch.bench_cli import add_bench_parser, run_bench
 from kvledger.router.policies import policy_names
 from kvledger.router.probe import prompt_hashes
 

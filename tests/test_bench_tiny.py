@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 
 import numpy as np
 import pytest
 
-from kvledger.launch.bench import report
-from kvledger.launch.bench.runner import BenchConfig, run
-from kvledger.launch.bench.tiny import TinyOptions, fit_trace, load_tiny_trace, tiny_tokens
-from kvledger.launch.bench.trace import BlockChains, SyntheticConfig, generate_synthetic
 from kvledger.launch.bench_cli import add_bench_parser, run_bench
+from kvledger.replay import report
+from kvledger.replay.config import BenchConfig, TinyOptions
+from kvledger.replay.runner import run
+from kvledger.replay.simulator import SimConfig
+from kvledger.replay.tiny import PolicyReplay, fit_trace, load_tiny_trace, tiny_tokens
+from kvledger.replay.trace import BlockChains, SyntheticConfig, generate_synthetic
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 
 REQUESTS = 20
@@ -52,7 +53,6 @@ def test_the_workload_fits_the_reference_model_and_keeps_the_trace_structure():
 
 @pytest.mark.parametrize("argv, message", [
     (("--engine", "nope"), "must be one of"),
-    (("--engine", "tiny", "--no-migration"), "no-migration"),
     (("--engine", "tiny", "--policy", "kv,nope"), "unknown policy 'nope'"),
     (("--engine", "tiny", "--capacity-blocks", "1", "--ranks", "2"), "raise --capacity-blocks"),
 ])
@@ -63,19 +63,28 @@ def test_cli_rejects_bad_tiny_input_before_starting_anything(tmp_path, capsys, a
     assert not (tmp_path / "x.json").exists()
 
 
+def test_no_migration_reaches_the_router_as_the_kv_policys_option():
+    trace, _ = load_tiny_trace("synthetic", 5, None, 0, TinyOptions())
+    sim = SimConfig(ranks=2, capacity_blocks=512, tokens_per_block=16, migration=False)
+    for policy, options in (("kv", {"allow_migration": False}), ("round_robin", {})):
+        rc = PolicyReplay(trace, [], policy, sim, TinyOptions(), "unused").router_config()
+        assert rc.router.policy == policy and dict(rc.router.policy_options) == options
+        assert rc.router.make_policy().name == policy
+    with_migration = PolicyReplay(trace, [], "kv", SimConfig(ranks=2, capacity_blocks=512), TinyOptions(), "x")
+    assert with_migration.router_config().router.make_policy().config.allow_migration
+
+
 # --- the replay on a real cluster -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def replayed(ray_session):
-    t0 = time.perf_counter()
     config = BenchConfig(trace="synthetic", ranks=2, policy=",".join(POLICIES), engine="tiny", limit=REQUESTS,
                          speed=4.0, seed=0)
-    result = run(config)
-    return result, time.perf_counter() - t0
+    return run(config)
 
 
 def test_every_request_is_answered_and_its_figures_add_up(replayed):
-    result, wall = replayed
+    result = replayed
     assert list(result.runs) == list(POLICIES)
     prompt = np.array([r.input_length for r in result.trace.requests])
     assert len(prompt) == REQUESTS
@@ -89,18 +98,17 @@ def test_every_request_is_answered_and_its_figures_add_up(replayed):
         assert set(r.rank.tolist()) <= {0, 1}
         assert result.summaries[name].requests == REQUESTS
         assert result.summaries[name].hit_rate <= result.bounds.infinite_hit_rate + 1e-12, name
-    assert wall < 90, f"the tiny replay took {wall:.0f} s"
 
 
 def test_kv_hits_the_cache_at_least_as_often_as_round_robin(replayed):
-    result, _ = replayed
+    result = replayed
     kv, rr = result.summaries["kv"], result.summaries["round_robin"]
     assert kv.hit_rate >= rr.hit_rate, (kv.hit_rate, rr.hit_rate)
     assert kv.hit_rate > 0
 
 
 def test_json_and_png_are_written(replayed, tmp_path):
-    result, _ = replayed
+    result = replayed
     out, png = tmp_path / "tiny.json", tmp_path / "tiny.png"
     report.write_json(out, report.to_json(result.meta(), result.bounds, result.summaries))
     report.write_plot(png, result.bounds, result.summaries, result.runs, "tiny", measured=True)

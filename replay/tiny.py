@@ -51,10 +51,19 @@ from dataclasses import dataclass
 import numpy as np
 
 import kvledger.coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
-from kvledger.launch.bench.bounds import compute_bounds
-from kvledger.launch.bench.report import summarize
-from kvledger.launch.bench.simulator import PolicyRun, SimConfig, check_fits
-from kvledger.launch.bench.trace import (
+from kvledger.replay.bounds import compute_bounds
+from kvledger.replay.config import (
+    DEFAULT_LIMIT,
+    START_TIMEOUT_S,
+    TINY_BLOCK_SIZE,
+    TINY_SYNTHETIC,
+    BenchConfig,
+    TinyOptions,
+)
+from kvledger.replay.report import summarize
+from kvledger.replay.result import BenchResult
+from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
+from kvledger.replay.trace import (
     MOONCAKE_BLOCK_SIZE,
     BlockChains,
     SyntheticConfig,
@@ -65,44 +74,6 @@ from kvledger.launch.bench.trace import (
     load_mooncake,
 )
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
-
-#: Block size of the tiny cluster's ledgers when ``--tokens-per-block`` is not given.
-TINY_BLOCK_SIZE = 16
-#: Requests replayed when ``--limit`` is not given.
-DEFAULT_LIMIT = 200
-#: Prompts are cut to this many tokens (the reference model on 2 CPU cores: ~0.1 s per 1024-token prefill).
-MAX_INPUT_TOKENS = 1024
-#: Completions ask for at most this many tokens.
-MAX_OUTPUT_TOKENS = 8
-#: Threads sending requests (the most requests in flight at once).
-CONCURRENCY = 32
-#: The synthetic workload for the tiny engine: the sim's shape (tenants with salts, a LoRA tenant, shared system
-#: prompts, multi-turn chats) at sizes that mostly stay under ``MAX_INPUT_TOKENS``.
-TINY_SYNTHETIC = dict(system_prompt_tokens=(128, 384), user_tokens_mean=60.0, output_tokens_mean=30.0)
-#: Seconds a single completion may take before it counts as failed.
-REQUEST_TIMEOUT_S = 120.0
-#: Seconds a cluster or the router may take to start.
-START_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True, slots=True)
-class TinyOptions:
-    max_input_tokens: int = MAX_INPUT_TOKENS
-    max_output_tokens: int = MAX_OUTPUT_TOKENS
-    concurrency: int = CONCURRENCY
-    request_timeout_s: float = REQUEST_TIMEOUT_S
-    num_cpus_per_rank: float = 0.5
-
-    def __post_init__(self) -> None:
-        for name in ("max_input_tokens", "concurrency"):
-            v = getattr(self, name)
-            if type(v) is not int or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if type(self.max_output_tokens) is not int or self.max_output_tokens < 0:
-            raise ValueError(f"max_output_tokens must be an int >= 0, got {self.max_output_tokens!r}")
-        if not self.request_timeout_s > 0 or not self.num_cpus_per_rank > 0:
-            raise ValueError("request_timeout_s and num_cpus_per_rank must be > 0")
-
 
 # --- the workload -----------------------------------------------------------------------------------
 
@@ -187,13 +158,23 @@ class PolicyReplay:
         self.trace, self.tokens, self.policy, self.sim, self.options, self.name = (trace, tokens, policy, sim,
                                                                                    options, name)
 
+    def router_config(self):  # type: ignore[no-untyped-def]
+        """The router actor's settings for this policy: the ledgers' block size, the replay's seed, and
+        ``--no-migration`` as the ``kv`` policy's option."""
+        from kvledger.coordinator.router_actor import RouterActorConfig
+        from kvledger.router.config import RouterConfig
+
+        s = self.sim
+        return RouterActorConfig(host="127.0.0.1", port=0, router=RouterConfig(
+            tokens_per_block=s.tokens_per_block, policy=self.policy, seed=s.seed,
+            policy_options=migration_options(self.policy, s.migration)))
+
     def _start(self):  # type: ignore[no-untyped-def]
         import torch
 
         from kvledger.coordinator.cluster import Cluster
         from kvledger.coordinator.config import ClusterConfig
-        from kvledger.coordinator.router_actor import RouterActorConfig, start_router
-        from kvledger.router.config import RouterConfig
+        from kvledger.coordinator.router_actor import start_router
         from kvledger.worker.ledger import CacheConfig
 
         s = self.sim
@@ -205,10 +186,8 @@ class PolicyReplay:
                             group_timeout_s=60, call_timeout_s=START_TIMEOUT_S, seed=s.seed)
         cluster = Cluster.start(cfg)
         try:
-            rc = RouterActorConfig(host="127.0.0.1", port=0,
-                                   router=RouterConfig(tokens_per_block=s.tokens_per_block, policy=self.policy,
-                                                       seed=s.seed))
-            handle, url = start_router(cluster, rc, name=f"{self.name}-router", timeout_s=START_TIMEOUT_S)
+            handle, url = start_router(cluster, self.router_config(), name=f"{self.name}-router",
+                                       timeout_s=START_TIMEOUT_S)
         except BaseException:
             cluster.shutdown()
             raise
@@ -317,15 +296,13 @@ class PolicyReplay:
 
 # --- all policies -----------------------------------------------------------------------------------
 
-def run_tiny(config, progress: Callable[[str, int], None] | None = None,  # type: ignore[no-untyped-def]
-             on_trace: Callable[[Trace, list[str]], None] | None = None):
+def run_tiny(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
+             on_trace: Callable[[Trace, list[str]], None] | None = None) -> BenchResult:
     """``runner.run`` for ``engine == "tiny"``: a ``BenchResult`` with measured figures (see the module docstring).
 
     Starts a local Ray on 127.0.0.1 when none is initialised (and shuts it down at the end); in a
     running Ray (the tests' session fixture) it uses that one.
     """
-    from kvledger.launch.bench.runner import BenchResult
-
     wall0 = time.perf_counter()
     options = config.tiny
     trace, tpb = load_tiny_trace(config.trace, config.limit, config.tokens_per_block, config.seed, options)
@@ -375,4 +352,4 @@ def run_tiny(config, progress: Callable[[str, int], None] | None = None,  # type
                        extra=extra)
 
 
-__all__ = ["DEFAULT_LIMIT", "TinyOptions", "fit_trace", "load_tiny_trace", "run_tiny", "tiny_tokens"]
+__all__ = ["fit_trace", "load_tiny_trace", "run_tiny", "tiny_tokens"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvledger.launch.bench.bounds import Bounds
-from kvledger.launch.bench.simulator import PolicyRun
+from kvledger.replay.bounds import Bounds
+from kvledger.replay.simulator import PolicyRun
 
 
 @dataclass(frozen=True, slots=True)

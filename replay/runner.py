@@ -8,13 +8,14 @@ import os
 import queue as queue_mod
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kvledger.launch.bench.bounds import Bounds, compute_bounds
-from kvledger.launch.bench.report import PolicySummary, summarize
-from kvledger.launch.bench.simulator import PolicyRun, RouteHasher, SimConfig, SimCosts, check_fits, simulate
-from kvledger.launch.bench.tiny import TinyOptions
-from kvledger.launch.bench.trace import (
+from kvledger.replay.bounds import compute_bounds
+from kvledger.replay.config import SYNTHETIC, SYNTHETIC_BLOCK_SIZE, SYNTHETIC_REQUESTS, BenchConfig
+from kvledger.replay.report import summarize
+from kvledger.replay.result import BenchResult
+from kvledger.replay.simulator import PolicyRun, RouteHasher, SimConfig, check_fits, simulate
+from kvledger.replay.tiny import run_tiny
+from kvledger.replay.trace import (
     MOONCAKE_BLOCK_SIZE,
     BlockChains,
     SyntheticConfig,
@@ -22,89 +23,6 @@ from kvledger.launch.bench.trace import (
     generate_synthetic,
     load_mooncake,
 )
-from kvledger.router.policies import policy_names
-
-SYNTHETIC = "synthetic"
-#: Block size of generated traces when ``--tokens-per-block`` is not given.
-SYNTHETIC_BLOCK_SIZE = 64
-#: Requests of a generated trace when ``--limit`` is not given.
-SYNTHETIC_REQUESTS = 1000
-ENGINES = ("sim", "tiny")
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    trace: str = SYNTHETIC
-    """A Mooncake JSONL file, or ``synthetic`` for the seeded generator."""
-    ranks: int = 4
-    policy: str = "all"
-    """A policy name, names separated by commas, or ``all`` (every registered policy on the same trace)."""
-    capacity_blocks: int | None = None
-    """Device blocks of the whole cluster; None = a quarter of the trace's unique blocks (at least room for
-    two of its largest requests on every rank)."""
-    host_blocks: int = 0
-    """Host-tier blocks of the whole cluster."""
-    tokens_per_block: int | None = None
-    """None = the trace's own block size (512 for Mooncake, 64 for synthetic)."""
-    engine: str = "sim"
-    speed: float = 1.0
-    limit: int | None = None
-    seed: int = 0
-    partial_reuse: bool = False
-    migration: bool = True
-    jobs: int = 0
-    """Processes replaying policies side by side; 0 = min(policies, CPU cores)."""
-    costs: SimCosts = field(default_factory=SimCosts)
-    tiny: TinyOptions = field(default_factory=TinyOptions)
-    """Prompt and output caps and client concurrency of ``engine="tiny"`` (``launch/bench/tiny.py``)."""
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "tiny" and not self.migration:
-            raise ValueError("--no-migration is not available with --engine tiny: the router actor's kv policy "
-                             "runs with its default cost model")
-        if self.policy != "all":
-            for name in self.policy.split(","):
-                if name not in policy_names():
-                    raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()} or 'all'")
-        if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
-            raise ValueError(f"--limit must be a positive int, got {self.limit!r}")
-        if type(self.jobs) is not int or self.jobs < 0:
-            raise ValueError(f"--jobs must be an int >= 0, got {self.jobs!r}")
-        if self.tokens_per_block is not None and (type(self.tokens_per_block) is not int or self.tokens_per_block < 1):
-            raise ValueError(f"--tokens-per-block must be a positive int, got {self.tokens_per_block!r}")
-
-    @property
-    def policies(self) -> list[str]:
-        return policy_names() if self.policy == "all" else list(dict.fromkeys(self.policy.split(",")))
-
-
-@dataclass(slots=True)
-class BenchResult:
-    trace: Trace
-    sim: SimConfig
-    bounds: Bounds
-    runs: dict[str, PolicyRun]
-    summaries: dict[str, PolicySummary]
-    wall_s: float
-    unique_blocks: int
-    engine: str = "sim"
-    extra: dict[str, object] = field(default_factory=dict)
-    """More fields for the JSON (the tiny engine's caps and per-policy failures, lags, start-up times)."""
-
-    def meta(self) -> dict[str, object]:
-        s = self.sim
-        out: dict[str, object] = {
-            "trace": self.trace.name, "ranks": s.ranks, "engine": self.engine, "requests": len(self.trace.requests),
-            "capacity_blocks": s.capacity_blocks, "host_blocks": s.host_blocks,
-            "tokens_per_block": s.tokens_per_block, "speed": s.speed, "seed": s.seed,
-            "partial_reuse": s.partial_reuse, "migration": s.migration, "unique_blocks": self.unique_blocks}
-        if self.engine == "sim":
-            out["costs"] = {f: getattr(s.costs, f) for f in s.costs.__dataclass_fields__}
-        out.update(self.extra)
-        out["wall_s"] = round(self.wall_s, 3)
-        return out
 
 
 def load_trace(config: BenchConfig) -> tuple[Trace, int]:
@@ -175,9 +93,8 @@ def run(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
         on_trace: Callable[[Trace, list[str]], None] | None = None) -> BenchResult:
     """Load, bound, replay, summarise. ``on_trace`` is told the trace and policies before replay starts
     (the CLI opens its progress bars there). ``engine="tiny"`` replays over HTTP through a real local cluster
-    instead (``launch.bench.tiny.run_tiny``)."""
+    instead (``kvledger.replay.tiny.run_tiny``)."""
     if config.engine == "tiny":
-        from kvledger.launch.bench.tiny import run_tiny
         return run_tiny(config, progress, on_trace)
     wall0 = time.perf_counter()
     trace, tpb = load_trace(config)

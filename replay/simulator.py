@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvledger.launch.bench.trace import BlockChains, Trace, TraceRequest, request_tokens
+from kvledger.replay.trace import BlockChains, Trace, TraceRequest, request_tokens
 from kvledger.router.index import PrefixIndex
 from kvledger.router.policies import RankState, RouteRequest, RoutingPolicy, make_policy
 from kvledger.router.policies.base import check_nonneg_numbers
@@ -237,9 +237,8 @@ class Simulator:
             chains = [bc.chain(r) for r in trace.requests]
         self.chains = chains
         self.hasher = hasher if hasher is not None else RouteHasher(T)
-        options = config.costs.kv_policy_options(T) if policy == "kv" else {}
-        if policy == "kv" and not config.migration:
-            options["allow_migration"] = False
+        options = {**(config.costs.kv_policy_options(T) if policy == "kv" else {}),
+                   **migration_options(policy, config.migration)}
         self.policy: RoutingPolicy = make_policy(policy, seed=config.seed, **options)
         self.policy_name = policy
         c = config.costs
@@ -440,6 +439,11 @@ class Simulator:
                          self._e2e.copy(), self._rank_of.copy(), self._onboarded, self._migrated, self._migrations,
                          [r.work_s for r in self.ranks], series, bucket, makespan, wall_s,
                          int(sum(r.output_length for r in reqs)))
+
+
+def migration_options(policy: str, migration: bool) -> dict[str, bool]:
+    """What a replay tells ``policy`` beyond its defaults about migration: ``kv`` may be told not to migrate."""
+    return {"allow_migration": False} if policy == "kv" and not migration else {}
 
 
 def check_fits(trace: Trace, config: SimConfig) -> None:

@@ -1,0 +1,101 @@
+"""What ``kvledger bench`` replays and how: the trace, the ranks, the policies, the engine and its options.
+
+``BenchConfig`` is what the CLI (``launch/bench_cli.py``) parses its flags into;
+``TinyOptions`` are the caps and client settings of ``--engine tiny``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvledger.replay.simulator import SimCosts
+from kvledger.router.policies import policy_names
+
+#: Block size of the tiny cluster's ledgers when ``--tokens-per-block`` is not given.
+TINY_BLOCK_SIZE = 16
+#: Requests replayed when ``--limit`` is not given.
+DEFAULT_LIMIT = 200
+#: Prompts are cut to this many tokens (the reference model on 2 CPU cores: ~0.1 s per 1024-token prefill).
+MAX_INPUT_TOKENS = 1024
+#: Completions ask for at most this many tokens.
+MAX_OUTPUT_TOKENS = 8
+#: Threads sending requests (the most requests in flight at once).
+CONCURRENCY = 32
+#: The synthetic workload for the tiny engine: the sim's shape (tenants with salts, a LoRA tenant, shared system
+#: prompts, multi-turn chats) at sizes that mostly stay under ``MAX_INPUT_TOKENS``.
+TINY_SYNTHETIC = dict(system_prompt_tokens=(128, 384), user_tokens_mean=60.0, output_tokens_mean=30.0)
+#: Seconds a single completion may take before it counts as failed.
+REQUEST_TIMEOUT_S = 120.0
+#: Seconds a cluster or the router may take to start.
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class TinyOptions:
+    max_input_tokens: int = MAX_INPUT_TOKENS
+    max_output_tokens: int = MAX_OUTPUT_TOKENS
+    concurrency: int = CONCURRENCY
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    num_cpus_per_rank: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_tokens", "concurrency"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if type(self.max_output_tokens) is not int or self.max_output_tokens < 0:
+            raise ValueError(f"max_output_tokens must be an int >= 0, got {self.max_output_tokens!r}")
+        if not self.request_timeout_s > 0 or not self.num_cpus_per_rank > 0:
+            raise ValueError("request_timeout_s and num_cpus_per_rank must be > 0")
+
+
+SYNTHETIC = "synthetic"
+#: Block size of generated traces when ``--tokens-per-block`` is not given.
+SYNTHETIC_BLOCK_SIZE = 64
+#: Requests of a generated trace when ``--limit`` is not given.
+SYNTHETIC_REQUESTS = 1000
+ENGINES = ("sim", "tiny")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    trace: str = SYNTHETIC
+    """A Mooncake JSONL file, or ``synthetic`` for the seeded generator."""
+    ranks: int = 4
+    policy: str = "all"
+    """A policy name, names separated by commas, or ``all`` (every registered policy on the same trace)."""
+    capacity_blocks: int | None = None
+    """Device blocks of the whole cluster; None = a quarter of the trace's unique blocks (at least room for
+    two of its largest requests on every rank)."""
+    host_blocks: int = 0
+    """Host-tier blocks of the whole cluster."""
+    tokens_per_block: int | None = None
+    """None = the trace's own block size (512 for Mooncake, 64 for synthetic)."""
+    engine: str = "sim"
+    speed: float = 1.0
+    limit: int | None = None
+    seed: int = 0
+    partial_reuse: bool = False
+    migration: bool = True
+    jobs: int = 0
+    """Processes replaying policies side by side; 0 = min(policies, CPU cores)."""
+    costs: SimCosts = field(default_factory=SimCosts)
+    tiny: TinyOptions = field(default_factory=TinyOptions)
+    """Prompt and output caps and client concurrency of ``engine="tiny"`` (``launch/bench/tiny.py``)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.policy != "all":
+            for name in self.policy.split(","):
+                if name not in policy_names():
+                    raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()} or 'all'")
+        if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
+            raise ValueError(f"--limit must be a positive int, got {self.limit!r}")
+        if type(self.jobs) is not int or self.jobs < 0:
+            raise ValueError(f"--jobs must be an int >= 0, got {self.jobs!r}")
+        if self.tokens_per_block is not None and (type(self.tokens_per_block) is not int or self.tokens_per_block < 1):
+            raise ValueError(f"--tokens-per-block must be a positive int, got {self.tokens_per_block!r}")
+
+    @property
+    def policies(self) -> list[str]:
+        return policy_names() if self.policy == "all" else list(dict.fromkeys(self.policy.split(",")))

@@ -1,4 +1,10 @@
-"""One rank's KV ledger: block keys and hashes, the prefix tree, eviction, tiers, the cache manager."""
+"""One rank's KV ledger: the books of which KV block lives where, who holds it, and what is reusable.
+
+The cache manager (manager.py) is the admission policy over the block pool
+(block_pool.py: blocks, free lists by eviction order, tier moves, tensors);
+retention.py gives blocks the priorities requests ask for, integrity.py proves
+the books balance. Only the names below are the ledger's public surface.
+"""
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.wire.request import DEFAULT_PRIORITY
 from kvledger.worker.wire.errors import OutOfBlocksError

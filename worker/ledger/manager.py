@@ -1,13 +1,15 @@
-"""The per-rank KV cache manager: admission with prefix reuse, allocation under eviction, tiers, events.
+"""The per-rank KV cache manager: the admission policy over the block pool.
 
-Follows TensorRT-LLM's KVCacheManager -> BlockManager -> WindowBlockManager for
-one attention window. Every public operation validates its input and checks
-capacity before it changes anything, so a refused call leaves the books,
-the stats and the event buffer as they were.
+Follows TensorRT-LLM's KVCacheManager for one attention window, layered as
+vLLM v1 is (``KVCacheManager`` over ``BlockPool``): the manager matches prompts
+against the prefix tree, decides what to reuse, checks capacity, stores
+finished blocks and tracks the running sequences; the pool (block_pool.py)
+moves blocks between free lists and tiers. Every public operation validates
+its input and checks capacity before it changes anything, so a refused call
+leaves the books, the stats and the event buffer as they were.
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -16,27 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.worker.ledger.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
+from kvledger.worker.ledger.block import PRIMARY, SECONDARY, Block
+from kvledger.worker.ledger.block_pool import BlockPool
 from kvledger.worker.ledger.config import CacheConfig
-from kvledger.worker.wire.request import DEFAULT_PRIORITY
-from kvledger.worker.wire.errors import OutOfBlocksError
-from kvledger.worker.ledger.event_buffer import EventBuffer
-from kvledger.worker.ledger.eviction import EvictionPolicy, level_of
-from kvledger.worker.ledger.kv_pool import TieredPools
-from kvledger.worker.ledger.prefix_tree import PrefixTree, TreeNode
-from kvledger.worker.wire.request import Request
+from kvledger.worker.ledger.integrity import check_integrity
+from kvledger.worker.ledger.prefix_tree import TreeNode
+from kvledger.worker.ledger.retention import Retention
 from kvledger.worker.ledger.sequence import Sequence
 from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary
-from kvledger.worker.wire.block_key import BlockKey, MmKey, block_keys, validate_prompt
 from kvledger.worker.wire.batches import StoredBlock
-from kvledger.worker.wire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    KVCacheCreated,
-    KVEvent,
-)
+from kvledger.worker.wire.block_key import BlockKey, MmKey, block_keys, validate_prompt
+from kvledger.worker.wire.errors import OutOfBlocksError
+from kvledger.worker.wire.events import BlockStored, KVEvent
+from kvledger.worker.wire.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -67,27 +61,20 @@ class KVCacheManager:
     def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
-        self.clock = clock
-        n_primary, n_secondary = config.primary_blocks(), config.secondary_blocks()
-        self.num_primary, self.num_secondary = n_primary, n_secondary
-        self.pools = TieredPools(config, n_primary, n_secondary)
-        self.blocks = [Block(block_id=i, slot=i, tier=PRIMARY) for i in range(n_primary)]
-        self.blocks += [Block(block_id=n_primary + i, slot=i, tier=SECONDARY) for i in range(n_secondary)]
-        self._evict = EvictionPolicy(num_tiers=2)
-        # Device blocks go out in ascending slot order (a sequence's blocks are adjacent, so a migration
-        # reads them as one run); released tail first, they are evicted in descending order, so host slots
-        # go out descending too: an offloaded run of adjacent blocks moves as one slice copy.
-        for b in (*self.blocks[:n_primary], *reversed(self.blocks[n_primary:])):
-            self._evict.release(b)
-        self._tree = PrefixTree()
+        self._pool = pool = BlockPool(config)
+        self.num_primary, self.num_secondary = pool.num_primary, pool.num_secondary
+        self.pools = pool.pools
+        self.blocks = pool.blocks
+        self._retention = Retention(pool, clock, self.tokens_per_block)
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, list[Block]] = {}
-        self._events = EventBuffer(config.event_buffer_size)
-        self._expiry: list[tuple[float, int]] = []
-        self._sched_free = n_primary
-        self._alloc_total = self._alloc_new = self._reused = self._missed = 0
-        self._offloaded = self._onboarded = 0
-        self._emit(KVCacheCreated(num_blocks={"GPU": n_primary, "CPU": n_secondary}, block_size=self.tokens_per_block))
+        self._sched_free = pool.num_primary
+        self._reused = self._missed = 0
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The injected clock that retention durations run on."""
+        return self._retention.clock
 
     # ------------------------------------------------------------------ admission
 
@@ -141,7 +128,8 @@ class KVCacheManager:
         n_full = usable // T
         keys = block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt, mm_keys=mm_keys,
                           extra_ids=extra_ids, include_partial=True)
-        node = self._tree.root
+        tree = self._pool.tree
+        node = tree.root
         full: list[Block] = []
         for key in keys[:n_full]:
             child = node.children.get(key)
@@ -152,7 +140,7 @@ class KVCacheManager:
         m = _Match(full, keys=keys)
         limit = min(T, usable - len(full) * T)
         if self.config.enable_partial_reuse and limit > 0 and len(full) < len(keys):
-            cand, n = self._tree.best_partial(node, keys[len(full)], limit)
+            cand, n = tree.best_partial(node, keys[len(full)], limit)
             if cand is not None:  # a block taken in place by an earlier request can still be copied
                 m.partial, m.partial_len = cand.block, n
         return m
@@ -171,7 +159,7 @@ class KVCacheManager:
         free_claimed = sum(1 for b in held.values() if b.tier == PRIMARY and b.ref_count == 0)
         onboards = len({b.block_id for p in plans for b in self._to_onboard(p.match) if b.tier == SECONDARY})
         needed = sum(p.new_blocks for p in plans) + onboards
-        available = self._evict.num_free(PRIMARY) - free_claimed
+        available = self._pool.num_free(PRIMARY) - free_claimed
         if needed > available:
             what = f"admitting request(s) {[p.request.request_id for p in plans]}"
             raise OutOfBlocksError(needed, available, what)
@@ -183,22 +171,23 @@ class KVCacheManager:
 
     def _apply(self, plans: list[_Plan]) -> list[Sequence]:
         T = self.tokens_per_block
+        pool = self._pool
         copy_sources: list[Block] = []
         for p in plans:
             for b in p.match.full:
-                self._ref(b)
+                pool.ref(b)
             part = p.match.partial
             if part is not None:
-                self._ref(part)
+                pool.ref(part)
                 if p.match.in_place:
-                    self._forget(part)
+                    pool.forget(part)
                 else:
                     copy_sources.append(part)
         onboarded = []
         for p in plans:
             moved = [b for b in self._to_onboard(p.match) if b.tier == SECONDARY]
             for b in moved:
-                self._onboard(b)
+                pool.onboard(b)
             onboarded.append(len(moved))
         seqs = []
         for p, n_onboarded in zip(plans, onboarded):
@@ -209,14 +198,14 @@ class KVCacheManager:
                 if m.in_place:
                     blocks.append(m.partial)
                 else:
-                    dst = self._take_free(count_alloc=True)
+                    dst = pool.take_free(count_alloc=True)
                     self.pools.plan(m.partial.tier, m.partial.slot, PRIMARY, dst.slot)
                     dst.ref_count = 1
                     blocks.append(dst)
                     copied = 1
             fresh = p.new_blocks - copied
             for _ in range(fresh):
-                b = self._take_free(count_alloc=True)
+                b = pool.take_free(count_alloc=True)
                 b.ref_count = 1
                 blocks.append(b)
             n_reused = len(m.full) + (1 if m.partial is not None else 0)
@@ -228,11 +217,11 @@ class KVCacheManager:
             seq = Sequence(request=r, blocks=blocks, num_tokens=len(r.tokens), admission=adm, tokens=list(r.tokens),
                            keys=m.keys[:len(r.tokens) // T] if m.keys else [],
                            hashes=[b.block_hash for b in m.full], stored=len(m.full))
-            self._apply_retention(seq, 0)
+            self._retention.apply(seq, 0)
             self._seqs[r.request_id] = seq
             seqs.append(seq)
         for b in copy_sources:
-            self._unref(b)
+            pool.unref(b)
         self.pools.flush()
         return seqs
 
@@ -252,11 +241,12 @@ class KVCacheManager:
             if len(tokens) != n:
                 raise ValueError(f"add_token: {len(tokens)} token ids given for n={n}")
         need = -(-(seq.num_tokens + n) // self.tokens_per_block) - len(seq.blocks)
-        if need > self._evict.num_free(PRIMARY):
-            raise OutOfBlocksError(need, self._evict.num_free(PRIMARY), f"growing request {request_id}")
+        pool = self._pool
+        if need > pool.num_free(PRIMARY):
+            raise OutOfBlocksError(need, pool.num_free(PRIMARY), f"growing request {request_id}")
         first_new = len(seq.blocks)
         for _ in range(need):
-            b = self._take_free(count_alloc=True)
+            b = pool.take_free(count_alloc=True)
             b.ref_count = 1
             seq.blocks.append(b)
         if tokens is None or seq.opaque or seq.request.extra_ids is not None:
@@ -264,7 +254,7 @@ class KVCacheManager:
         else:
             seq.tokens.extend(tokens)
         seq.num_tokens += n
-        self._apply_retention(seq, first_new)
+        self._retention.apply(seq, first_new)
         self.pools.flush()
 
     def store_context_blocks(self, request_id: int) -> None:
@@ -286,7 +276,7 @@ class KVCacheManager:
         if pin:
             self._pinned[request_id] = seq.blocks
             return [b.block_id for b in seq.blocks]
-        self._release(seq.blocks)
+        self._pool.release(seq.blocks)
         return []
 
     def pin_prefix(self, pin_id: int, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
@@ -312,13 +302,14 @@ class KVCacheManager:
             full = full[:max_blocks]
         onboards = [b for b in full if b.tier == SECONDARY]
         free_claimed = sum(1 for b in full if b.tier == PRIMARY and b.ref_count == 0)
-        if len(onboards) > self._evict.num_free(PRIMARY) - free_claimed:
-            raise OutOfBlocksError(len(onboards), self._evict.num_free(PRIMARY) - free_claimed,
+        pool = self._pool
+        if len(onboards) > pool.num_free(PRIMARY) - free_claimed:
+            raise OutOfBlocksError(len(onboards), pool.num_free(PRIMARY) - free_claimed,
                                    f"pinning {len(full)} blocks as {pin_id}")
         for b in full:
-            self._ref(b)
+            pool.ref(b)
         for b in onboards:
-            self._onboard(b)
+            pool.onboard(b)
         self.pools.flush()
         self._pinned[pin_id] = full
         return [b.slot for b in full]
@@ -327,19 +318,7 @@ class KVCacheManager:
         blocks = self._pinned.pop(request_id, None)
         if blocks is None:
             raise KeyError(f"request {request_id} has no pinned blocks")
-        self._release(blocks)
-
-    def _release(self, blocks: list[Block]) -> None:
-        """Drop one reference of each block, tail first, so a prefix outlives its suffix in the LRU order."""
-        freed = []
-        for b in reversed(blocks):
-            assert b.ref_count > 0, f"block {b.block_id} released more often than held"
-            b.ref_count -= 1
-            if b.ref_count == 0:
-                if b.node is None:
-                    self._clear(b)
-                freed.append(b)
-        self._evict.release_n(freed)
+        self._pool.release(blocks)
 
     def _running(self, request_id: int) -> Sequence:
         seq = self._seqs.get(request_id)
@@ -358,13 +337,14 @@ class KVCacheManager:
         if c >= count:
             return
         seq.ensure_keys(count, T)
-        node = seq.blocks[c - 1].node if c else self._tree.root
+        tree = self._pool.tree
+        node = seq.blocks[c - 1].node if c else tree.root
         run: list[int] = []
         for i in range(c, count):
             key, b = seq.keys[i], seq.blocks[i]
-            node = self._tree.child_or_new(node, key)
+            node = tree.child_or_new(node, key)
             if node.block is None and b.node is None:
-                self._tree.attach(node, b)
+                tree.attach(node, b)
                 b.key, b.block_hash, b.is_full = key, seq.hashes[i], True
                 b.prev = seq.blocks[i - 1] if i else None
                 if run and seq.blocks[run[-1]].priority != b.priority:
@@ -385,133 +365,23 @@ class KVCacheManager:
     def _announce_stored(self, seq: Sequence, run: list[int]) -> None:
         T, r = self.tokens_per_block, seq.request
         first = run[0]
-        self._emit(BlockStored(
+        self._pool.events.put(BlockStored(
             block_hashes=[seq.hashes[i] for i in run],
             parent_block_hash=seq.hashes[first - 1] if first else None,
             token_ids=seq.tokens[first * T:(run[-1] + 1) * T], block_size=T, lora_id=r.lora_id,
             medium="GPU", cache_salt=r.cache_salt, priority=seq.blocks[first].priority))
 
-    # ------------------------------------------------------------------ blocks, tiers, eviction
-
-    def _ref(self, b: Block) -> None:
-        if b.ref_count == 0 and b.level >= 0:
-            self._evict.claim(b)
-        b.ref_count += 1
-
-    def _unref(self, b: Block) -> None:
-        assert b.ref_count > 0, f"block {b.block_id} released more often than held"
-        b.ref_count -= 1
-        if b.ref_count == 0:
-            if b.node is None:
-                self._clear(b)
-            self._evict.release(b)
-
-    def _clear(self, b: Block) -> None:
-        b.key = b.block_hash = b.prev = None
-        b.is_full = False
-        b.priority, b.expires_at = DEFAULT_PRIORITY, None
-
-    def _forget(self, b: Block) -> None:
-        """Take a stored block out of the tree and announce it gone from its tier."""
-        self._emit(BlockRemoved(block_hashes=[b.block_hash], medium=b.medium))
-        self._tree.detach(b)
-        self._clear(b)
-
-    def _take_free(self, count_alloc: bool) -> Block:
-        """A clean primary block: the eviction victim, offloaded to the host tier or dropped."""
-        b = self._evict.victim(PRIMARY)
-        assert b is not None, "capacity was checked before allocating"
-        self._evict.claim(b)
-        if count_alloc:
-            self._alloc_total += 1
-            if b.key is None:
-                self._alloc_new += 1
-        if b.node is None:
-            return b
-        if b.priority >= self.config.offload_min_priority and self._evict.num_free(SECONDARY) > 0:
-            dest = self._evict.victim(SECONDARY)
-            self._evict.claim(dest)
-            if dest.node is not None:
-                self._forget(dest)
-            self.pools.plan(PRIMARY, b.slot, SECONDARY, dest.slot)
-            b.slot, dest.slot = dest.slot, b.slot
-            b.tier, dest.tier = SECONDARY, PRIMARY
-            self._emit(BlockUpdated(block_hash=b.block_hash, old_medium="GPU", new_medium="CPU"))
-            self._evict.release(b)
-            self._offloaded += 1
-            return dest
-        self._forget(b)
-        return b
-
-    def _onboard(self, b: Block) -> None:
-        """Bring a claimed host-tier block back to the device before use; it keeps its id and node."""
-        dst = self._take_free(count_alloc=False)
-        self.pools.plan(SECONDARY, b.slot, PRIMARY, dst.slot)
-        b.slot, dst.slot = dst.slot, b.slot
-        b.tier, dst.tier = PRIMARY, SECONDARY
-        self._evict.release(dst)
-        if b.block_hash is not None:
-            self._emit(BlockUpdated(block_hash=b.block_hash, old_medium="CPU", new_medium="GPU"))
-        self._onboarded += 1
-
-    def _apply_retention(self, seq: Sequence, first: int) -> None:
-        """Give blocks ``first..`` of ``seq`` the priority its request asks for at their positions.
-
-        A request without a retention config leaves the priority of the blocks it
-        reuses alone (new blocks start at the default), so plain traffic never
-        demotes a prefix someone asked to keep.
-        """
-        retention = seq.request.retention
-        if retention is None:
-            return
-        T = self.tokens_per_block
-        now = None
-        prompt_len = len(seq.request.tokens)
-        for i in range(first, len(seq.blocks)):
-            pri, dur = retention.for_block(i * T, (i + 1) * T, prompt_len)
-            b = seq.blocks[i]
-            if dur is not None:
-                now = self.clock() if now is None else now
-                b.expires_at = now + dur
-                heapq.heappush(self._expiry, (b.expires_at, b.block_id))
-            else:
-                b.expires_at = None
-            if b.priority != pri:
-                if b.block_hash is not None:
-                    self._emit(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority, new_priority=pri))
-                b.priority = pri
+    # ------------------------------------------------------------------ retention and clearing
 
     def refresh_blocks(self) -> None:
         """Blocks whose retention duration has passed fall back to the default priority."""
-        if not self._expiry or self._expiry[0][0] > self.clock():
-            return
-        now = self.clock()
-        moved = []
-        while self._expiry and self._expiry[0][0] <= now:
-            at, bid = heapq.heappop(self._expiry)
-            b = self.blocks[bid]
-            if b.expires_at != at:
-                continue
-            b.expires_at = None
-            if b.priority != DEFAULT_PRIORITY:
-                if b.block_hash is not None:
-                    self._emit(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,
-                                            new_priority=DEFAULT_PRIORITY))
-                b.priority = DEFAULT_PRIORITY
-                if b.level >= 0 and b.level != level_of(b):
-                    moved.append(b)
-        self._evict.requeue(moved)
+        self._retention.refresh()
 
     def clear(self) -> None:
         """Forget every reusable block (nothing may be running); announces ``AllBlocksCleared``."""
         if self._seqs or self._pinned:
             raise RuntimeError(f"clear() with {len(self._seqs) + len(self._pinned)} sequences still holding blocks")
-        stored = [b for b in self.blocks if b.node is not None]
-        for b in stored:
-            self._tree.detach(b)
-            self._clear(b)
-        self._evict.requeue(stored)
-        self._emit(AllBlocksCleared())
+        self._pool.clear()
 
     # ------------------------------------------------------------------ queries
 
@@ -574,7 +444,7 @@ class KVCacheManager:
         for seq in self._seqs.values():
             for b in seq.blocks:
                 b.sched_ref_count = b.ref_count
-        self._sched_free = self._evict.num_free(PRIMARY)
+        self._sched_free = self._pool.num_free(PRIMARY)
 
     def scheduling_remove_sequence(self, request_id: int) -> None:
         """Count the blocks that pausing ``request_id`` would free in this round."""
@@ -590,30 +460,28 @@ class KVCacheManager:
     # ------------------------------------------------------------------ reports
 
     def stats(self) -> KvCacheStats:
-        free = self._evict.num_free(PRIMARY)
+        pool = self._pool
+        free = pool.num_free(PRIMARY)
         looked = self._reused + self._missed
         total_blocks = self.num_primary + self.num_secondary
         return KvCacheStats(
             max_num_blocks=self.num_primary, free_num_blocks=free, used_num_blocks=self.num_primary - free,
-            tokens_per_block=self.tokens_per_block, alloc_total_blocks=self._alloc_total,
-            alloc_new_blocks=self._alloc_new, reused_blocks=self._reused, missed_blocks=self._missed,
+            tokens_per_block=self.tokens_per_block, alloc_total_blocks=pool.alloc_total,
+            alloc_new_blocks=pool.alloc_new, reused_blocks=self._reused, missed_blocks=self._missed,
             cache_hit_rate=self._reused / looked if looked else 0.0,
-            num_free_secondary_blocks=self._evict.num_free(SECONDARY),
+            num_free_secondary_blocks=pool.num_free(SECONDARY),
             allocated_bytes=total_blocks * self.config.bytes_per_block if self.config.materialize else 0,
-            max_num_secondary_blocks=self.num_secondary, offloaded_blocks=self._offloaded,
-            onboarded_blocks=self._onboarded, events_dropped=self._events.dropped)
+            max_num_secondary_blocks=self.num_secondary, offloaded_blocks=pool.offloaded,
+            onboarded_blocks=pool.onboarded, events_dropped=pool.events.dropped)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the event buffer, oldest first."""
-        return self._events.take()
-
-    def _emit(self, event: KVEvent) -> None:
-        self._events.put(event)
+        return self._pool.events.take()
 
     def snapshot(self) -> list[StoredBlock]:
         """Every reusable block, parents before children: enough for a router to rebuild this rank's index."""
         out = []
-        stack: list[TreeNode] = [self._tree.root]
+        stack: list[TreeNode] = [self._pool.tree.root]
         while stack:
             node = stack.pop()
             b = node.block
@@ -628,51 +496,4 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Prove the books balance; raises ``AssertionError`` naming the first broken invariant."""
-        refs: dict[int, int] = {}
-        for holder in (*(s.blocks for s in self._seqs.values()), *self._pinned.values()):
-            for b in holder:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        slots: tuple[set[int], set[int]] = (set(), set())
-        free = [0, 0]
-        for b in self.blocks:
-            want = refs.get(b.block_id, 0)
-            if b.ref_count != want:
-                raise AssertionError(f"block {b.block_id}: ref_count {b.ref_count}, held by {want} sequences")
-            if (b.ref_count > 0) == (b.level >= 0):
-                raise AssertionError(f"block {b.block_id}: ref_count {b.ref_count} but free-list level {b.level}")
-            if b.ref_count > 0 and b.tier != PRIMARY:
-                raise AssertionError(f"block {b.block_id}: referenced while on the host tier")
-            if b.level >= 0:
-                free[b.tier] += 1
-                if b.level != level_of(b):
-                    raise AssertionError(f"block {b.block_id}: in free level {b.level}, belongs in {level_of(b)}")
-            if b.slot in slots[b.tier]:
-                raise AssertionError(f"block {b.block_id}: slot {b.slot} of tier {b.tier} used twice")
-            slots[b.tier].add(b.slot)
-            if (b.node is None) != (b.key is None) or (b.key is None) != (b.block_hash is None):
-                raise AssertionError(f"block {b.block_id}: key, hash and tree node disagree")
-            if b.node is not None and (b.node.block is not b or b.node.key != b.key):
-                raise AssertionError(f"block {b.block_id}: its tree node does not point back")
-        for tier, size in ((PRIMARY, self.num_primary), (SECONDARY, self.num_secondary)):
-            if slots[tier] != set(range(size)):
-                raise AssertionError(f"tier {TIER_MEDIUM[tier]}: slots are not a permutation of the pool")
-            if free[tier] != self._evict.num_free(tier) or sum(self._evict.list_sizes(tier)) != free[tier]:
-                raise AssertionError(f"tier {TIER_MEDIUM[tier]}: free count {self._evict.num_free(tier)}, "
-                                     f"{free[tier]} blocks in its free lists")
-            if free[tier] > size:
-                raise AssertionError(f"tier {TIER_MEDIUM[tier]}: more free blocks than the pool holds")
-        stack = [self._tree.root]
-        nodes = 0
-        while stack:
-            node = stack.pop()
-            for key, child in node.children.items():
-                nodes += 1
-                if child.parent is not node or child.key != key:
-                    raise AssertionError("prefix tree: a child does not point back to its parent")
-                if child.block is not None and child.block.node is not child:
-                    raise AssertionError(f"prefix tree: node's block {child.block.block_id} points elsewhere")
-                if child.block is None and not child.children:
-                    raise AssertionError("prefix tree: an empty leaf was not pruned")
-                stack.append(child)
-        if nodes != self._tree.num_nodes:
-            raise AssertionError(f"prefix tree: {nodes} nodes reachable, {self._tree.num_nodes} counted")
+        check_integrity(self._pool, (*(s.blocks for s in self._seqs.values()), *self._pinned.values()))

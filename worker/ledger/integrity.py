@@ -1,0 +1,73 @@
+"""The integrity check: proof that one rank's books balance, for tests and a rank's health check.
+
+It recounts everything from scratch (references from the holders, free
+blocks from the free lists, slots, tree links) and compares with what the
+pool keeps incrementally, so a bug in any fast path shows up as the first
+invariant it broke, named. Kept apart from the pool and the manager: it only
+reads them, and all the invariants are in one place.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvledger.worker.ledger.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
+from kvledger.worker.ledger.block_pool import BlockPool
+from kvledger.worker.ledger.eviction import level_of
+
+
+def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
+    """Raise ``AssertionError`` naming the first broken invariant of ``pool``.
+
+    ``holders`` are the block lists of everything that holds references:
+    running sequences and pins, one reference per appearance.
+    """
+    refs: dict[int, int] = {}
+    for holder in holders:
+        for b in holder:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+    slots: tuple[set[int], set[int]] = (set(), set())
+    free = [0, 0]
+    for b in pool.blocks:
+        want = refs.get(b.block_id, 0)
+        if b.ref_count != want:
+            raise AssertionError(f"block {b.block_id}: ref_count {b.ref_count}, held by {want} sequences")
+        if (b.ref_count > 0) == (b.level >= 0):
+            raise AssertionError(f"block {b.block_id}: ref_count {b.ref_count} but free-list level {b.level}")
+        if b.ref_count > 0 and b.tier != PRIMARY:
+            raise AssertionError(f"block {b.block_id}: referenced while on the host tier")
+        if b.level >= 0:
+            free[b.tier] += 1
+            if b.level != level_of(b):
+                raise AssertionError(f"block {b.block_id}: in free level {b.level}, belongs in {level_of(b)}")
+        if b.slot in slots[b.tier]:
+            raise AssertionError(f"block {b.block_id}: slot {b.slot} of tier {b.tier} used twice")
+        slots[b.tier].add(b.slot)
+        if (b.node is None) != (b.key is None) or (b.key is None) != (b.block_hash is None):
+            raise AssertionError(f"block {b.block_id}: key, hash and tree node disagree")
+        if b.node is not None and (b.node.block is not b or b.node.key != b.key):
+            raise AssertionError(f"block {b.block_id}: its tree node does not point back")
+    evict = pool.eviction
+    for tier, size in ((PRIMARY, pool.num_primary), (SECONDARY, pool.num_secondary)):
+        if slots[tier] != set(range(size)):
+            raise AssertionError(f"tier {TIER_MEDIUM[tier]}: slots are not a permutation of the pool")
+        if free[tier] != evict.num_free(tier) or sum(evict.list_sizes(tier)) != free[tier]:
+            raise AssertionError(f"tier {TIER_MEDIUM[tier]}: free count {evict.num_free(tier)}, "
+                                 f"{free[tier]} blocks in its free lists")
+        if free[tier] > size:
+            raise AssertionError(f"tier {TIER_MEDIUM[tier]}: more free blocks than the pool holds")
+    tree = pool.tree
+    stack = [tree.root]
+    nodes = 0
+    while stack:
+        node = stack.pop()
+        for key, child in node.children.items():
+            nodes += 1
+            if child.parent is not node or child.key != key:
+                raise AssertionError("prefix tree: a child does not point back to its parent")
+            if child.block is not None and child.block.node is not child:
+                raise AssertionError(f"prefix tree: node's block {child.block.block_id} points elsewhere")
+            if child.block is None and not child.children:
+                raise AssertionError("prefix tree: an empty leaf was not pruned")
+            stack.append(child)
+    if nodes != tree.num_nodes:
+        raise AssertionError(f"prefix tree: {nodes} nodes reachable, {tree.num_nodes} counted")

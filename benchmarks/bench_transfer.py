@@ -10,8 +10,9 @@
     Ray, gloo on CPUs, NCCL on GPUs): the transfer as ``Migrator.migrate``
     times it (send/recv, gather/scatter where the slots are not one run, the
     target storing the blocks), against one ``send``/``recv`` of a contiguous
-    tensor of the same bytes between the same two actors, dispatched the same
-    way, in the same run. Goal: >= 0.7 of it. The end-to-end time (with the
+    tensor of the same bytes between the same two actors (rank workers with a
+    raw send and receive added, ``RawTransferWorker`` below), dispatched the
+    same way, in the same run. Goal: >= 0.7 of it. The end-to-end time (with the
     pin and allocate round trips) is printed too.
 
     python benchmarks/bench_transfer.py [--blocks 64 512] [--reps 5] [--device auto] [--skip-migration]
@@ -29,7 +30,10 @@ import time
 import torch
 
 import kvledger.coordinator  # noqa: F401  (before ray)
+import torch.distributed as dist
+
 from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
+from kvledger.worker.rank.worker import RankWorker
 
 T = 16
 GEOMETRY = dict(tokens_per_block=T, num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float16)
@@ -139,9 +143,36 @@ def bench_tiers(blocks: list[int], reps: int, device: str) -> None:
                   f"with the books {ledger_gbs / base_gbs:.2f}")
 
 
+class RawTransferWorker(RankWorker):
+    """A rank worker that can also send and receive one plain tensor: the baseline a migration is measured
+    against, between the same two actors over the same process group."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._scratch_buf: torch.Tensor | None = None
+
+    def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._scratch_buf
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._scratch_buf = torch.ones(numel, dtype=dtype, device=self.device)
+        return buf
+
+    def send_tensor(self, numel: int, dst_rank: int, dtype: torch.dtype = torch.float16) -> int:
+        """Send one contiguous tensor (kept between calls, so only the first call allocates it)."""
+        buf = self._scratch(numel, dtype)
+        dist.send(buf, dst=dst_rank)
+        return numel * buf.element_size()
+
+    def recv_tensor(self, numel: int, src_rank: int, dtype: torch.dtype = torch.float16) -> int:
+        """Receive one contiguous tensor into a buffer kept between calls."""
+        buf = self._scratch(numel, dtype)
+        dist.recv(buf, src=src_rank)
+        return numel * buf.element_size()
+
+
 def _fill_prefix(rank, tokens: list[int], rid: int) -> int:
     """Run on a rank actor (``__ray_call__``): store ``tokens``' full blocks with written (not computed) KV."""
-    with rank._lock:
+    with rank.books.lock:
         mgr = rank.manager
         mgr.add_sequence(Request(rid, tokens))
         slots = [mgr.blocks[b].slot for b in mgr.get_block_ids(rid)]
@@ -152,7 +183,7 @@ def _fill_prefix(rank, tokens: list[int], rid: int) -> int:
 
 
 def _clear(rank) -> None:
-    with rank._lock:
+    with rank.books.lock:
         rank.manager.clear()
         rank.manager.take_events()
 
@@ -162,7 +193,6 @@ def bench_migration(blocks: list[int], reps: int, device: str) -> None:
 
     from kvledger.coordinator.cluster import Cluster
     from kvledger.coordinator.config import ClusterConfig
-    from kvledger.coordinator.migration import Migrator
     from kvledger.coordinator.ray_env import init_ray
 
     init_ray(num_cpus=2, log_to_driver=False)
@@ -171,10 +201,10 @@ def bench_migration(blocks: list[int], reps: int, device: str) -> None:
     cache = CacheConfig(**GEOMETRY, device="auto", primary_bytes=need * bpb, num_secondary_blocks=0)
     cluster = Cluster.start(ClusterConfig(num_ranks=2, device=device, cache=cache, num_cpus_per_rank=0.5,
                                           gpu_memory_fraction=None,
-                                          call_timeout_s=300, group_timeout_s=120))
+                                          call_timeout_s=300, group_timeout_s=120), RawTransferWorker)
     try:
         a, b = cluster.actors
-        mig = Migrator(cluster)
+        mig = cluster.migrator
         print(f"(b) migration rank 0 -> rank 1 ({cluster.device}, "
               f"{'nccl' if cluster.device == 'cuda' else 'gloo'}), {bpb // 1024} KiB blocks, median of {reps}")
         for n in blocks:
@@ -203,7 +233,7 @@ def bench_migration(blocks: list[int], reps: int, device: str) -> None:
                   f"(end to end {e2e_gbs:5.2f}); plain send/recv {base_gbs:6.2f} GB/s; "
                   f"ratio {gbs / base_gbs:.2f} (goal >= 0.7), end to end {e2e_gbs / base_gbs:.2f}")
             ray.get(a.__ray_call__.remote(_clear), timeout=300)
-        st = ray.get(a.stats.remote(), timeout=60)["transfers"], ray.get(b.stats.remote(), timeout=60)["transfers"]
+        st = [c.info().transfers for c in cluster.clients]
         print(f"  transfers: rank 0 {st[0]}, rank 1 {st[1]}")
     finally:
         cluster.shutdown()

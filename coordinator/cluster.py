@@ -1,11 +1,18 @@
-"""The cluster: rank actors in a placement group, their process group, agreed block counts, serving, health.
+"""The cluster: rank actors in a placement group, their process group, agreed block counts, health, migration.
 
-``Cluster.start`` spawns one ``RankActor`` per rank (named, in one namespace),
+``Cluster.start`` spawns one rank actor per rank (named, in one namespace),
 forms the ``torch.distributed`` group (rank 0 opens a TCP store on an
-OS-chosen port, every rank joins with the backend ``worker.device`` picks),
-and has the ranks all-reduce their block counts with ``MIN`` so every ledger
-has the same size. ``Cluster.connect`` finds the actors of a running
+OS-chosen port, every rank joins with the backend ``kvledger.worker.device``
+picks), and has the ranks all-reduce their block counts with ``MIN`` so every
+ledger has the same size. ``Cluster.connect`` finds the actors of a running
 (detached) cluster again by name.
+
+A ``Cluster`` is also the router's ``RankSet``: a typed client per rank
+(``RayRankClient``), the ranks believed live (a rank lost on any call leaves
+until ``check_health`` sees it ready again: the one liveness poll, which
+``heal`` and ``status`` use too), and migrations through the one choreography
+of ``kvledger.coordinator.migration`` with a ``torch.distributed`` send and
+receive between the two actors.
 """
 from __future__ import annotations
 
@@ -21,11 +28,17 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.worker.wire.request import Request
-from kvledger.worker.rank.worker import rank_actor_class
-from kvledger.worker.wire.errors import RankNotReadyError
+from kvledger.coordinator.migration import Migrator
+from kvledger.coordinator.rank_client import RayRankClient
+from kvledger.router.rank_client import RankDiedError
+from kvledger.worker.rank.actor import rank_actor_class
+from kvledger.worker.rank.worker import RankWorker
+from kvledger.worker.wire.messages import ExportTicket, ImportTicket, RankLoad
 
 logger = logging.getLogger(__name__)
+
+#: Timeout of the short calls (load, probe, the migration's bookkeeping steps).
+QUICK_TIMEOUT_S = 10.0
 
 
 class ClusterError(RuntimeError):
@@ -50,23 +63,32 @@ def _strategy(config: ClusterConfig) -> str:
 
 
 class Cluster:
-    """Handles to the rank actors of one cluster, and what the coordinator does with them."""
+    """Handles to the rank actors of one cluster, their typed clients, and what the coordinator does with them."""
 
-    def __init__(self, config: ClusterConfig, actors: list, device: str, placement=None) -> None:
+    def __init__(self, config: ClusterConfig, actors: list, device: str, placement=None,
+                 quick_timeout_s: float = QUICK_TIMEOUT_S) -> None:
         self.config = config
         self.actors = actors
         self.device = device
         self.placement = placement
         self.block_counts: tuple[int, int] | None = None
         self.generation = 0
+        self.quick_timeout_s = quick_timeout_s
+        self.clients = [RayRankClient(r, a, quick_timeout_s, config.call_timeout_s, self.mark_down)
+                        for r, a in enumerate(actors)]
+        self.migrator = Migrator(self.client, self._mover)
+        self._down: set[int] = set()
+        self._lock = threading.Lock()
         self._group_lock = threading.Lock()
-        self._next_rr = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def start(cls, config: ClusterConfig) -> Cluster:
-        """Spawn the rank actors (Ray must be initialised), form the group, agree block counts."""
+    def start(cls, config: ClusterConfig, worker_cls: type[RankWorker] = RankWorker) -> Cluster:
+        """Spawn the rank actors (Ray must be initialised), form the group, agree block counts.
+
+        ``worker_cls`` is what each actor runs: ``RankWorker``, or a subclass (benchmarks add raw transfers).
+        """
         device = _resolve_device(config)
         n = config.num_ranks
         gpu = device == "cuda"
@@ -82,7 +104,7 @@ class Cluster:
             raise ClusterError(f"the placement group of {n} x {bundle} was not placed within "
                                f"{config.call_timeout_s:g} s: not enough resources in the Ray cluster "
                                f"({ray.available_resources()})") from None
-        actor_cls = rank_actor_class()
+        actor_cls = rank_actor_class(worker_cls)
         actors = []
         for i in range(n):
             cache = config.cache
@@ -119,11 +141,15 @@ class Cluster:
         actors = [ray.get_actor(name, namespace=config.namespace) for name in names]
         config = dataclasses.replace(config, num_ranks=len(actors))
         cluster = cls(config, actors, device="unknown")
-        st = cluster.status()
-        live = [r for r in st["ranks"] if r["alive"]]
-        if live:
-            cluster.device = live[0]["device"].split(":")[0]
-            cluster.block_counts = (live[0]["device_blocks"], live[0]["host_blocks"])
+        for client in cluster.clients:
+            try:
+                info = client.info()
+            except RankDiedError:
+                continue
+            if info.ready:
+                cluster.device = info.device.split(":")[0]
+                cluster.block_counts = (info.device_blocks, info.host_blocks)
+                break
         return cluster
 
     def shutdown(self) -> None:
@@ -143,7 +169,7 @@ class Cluster:
                 remove_placement_group(ray.util.get_placement_group(f"{self.config.name_prefix}-pg"))
             except Exception:
                 pass
-        self.actors = []
+        self.actors, self.clients = [], []
 
     # ------------------------------------------------------------------ process group
 
@@ -168,71 +194,70 @@ class Cluster:
                         len(self.actors), self.block_counts)
             return self.block_counts
 
-    # ------------------------------------------------------------------ serving and probing
+    # ------------------------------------------------------------------ the router's RankSet
 
-    def serve(self, requests: Sequence[dict | Request], rank: int, logits: str = "tensor",
-              retry: bool = True) -> list[dict]:
-        """Serve a batch on ``rank``; if that rank dies, the batch is retried on another live rank."""
-        try:
-            return self.get(self.actors[rank].serve.remote(list(requests), logits))
-        except (RayActorError, RankNotReadyError):
-            if not retry:
-                raise
-            logger.warning("rank %d is down or restarting; retrying its %d request(s) elsewhere", rank,
-                           len(requests))
-        for other in self._live_ranks(exclude=rank):
-            try:
-                return self.get(self.actors[other].serve.remote(list(requests), logits))
-            except (RayActorError, RankNotReadyError):
-                continue
-        raise ClusterError(f"no live rank could serve request(s) {[getattr(r, 'request_id', r) for r in requests]}")
+    def live(self) -> list[int]:
+        with self._lock:
+            return [r for r in range(len(self.clients)) if r not in self._down]
+
+    def client(self, rank: int) -> RayRankClient:
+        if not 0 <= rank < len(self.clients):
+            raise ValueError(f"no rank {rank!r} in a cluster of {len(self.clients)} ranks")
+        with self._lock:
+            if rank in self._down:
+                raise RankDiedError(rank, "it was reported down")
+        return self.clients[rank]
+
+    def mark_down(self, rank: int) -> None:
+        with self._lock:
+            self._down.add(rank)
+
+    def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None = None,
+                lora_id: int | None = None, cache_salt: str | None = None) -> int:
+        return self.migrator.migrate(tokens, src, dst, max_blocks, lora_id, cache_salt).sent_blocks
+
+    def _mover(self, src: int, dst: int) -> _ProcessGroupMover:
+        return _ProcessGroupMover(self, src, dst)
 
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> list[int]:
         """Exact probe of every rank: matched tokens per rank (-1 for a rank that does not answer)."""
-        refs = [a.probe.remote(list(tokens), lora_id, cache_salt) for a in self.actors]
         out = []
-        for ref in refs:
+        for r in range(len(self.clients)):
             try:
-                out.append(self.get(ref))
-            except (RayActorError, GetTimeoutError, RankNotReadyError):
+                out.append(self.client(r).probe(tokens, lora_id, cache_salt))
+            except RankDiedError:
                 out.append(-1)
         return out
 
-    def best_rank(self, tokens: Sequence[int]) -> tuple[int, list[int]]:
-        """The rank holding the longest prefix; ties go round-robin. Stands in until the router lands."""
-        matched = self.probe(tokens)
-        best = max(matched)
-        tied = [r for r, m in enumerate(matched) if m == best and m >= 0]
-        choice = tied[self._next_rr % len(tied)]
-        self._next_rr += 1
-        return choice, matched
-
-    def _live_ranks(self, exclude: int | None = None) -> list[int]:
-        """Ranks that answer and have a ledger."""
-        live = []
-        for r, a in enumerate(self.actors):
-            if r == exclude:
-                continue
-            try:
-                if self.get(a.load.remote(), timeout=10)["ready"]:
-                    live.append(r)
-            except (RayActorError, GetTimeoutError):
-                pass
-        return live
-
     # ------------------------------------------------------------------ health
 
-    def alive(self) -> list[bool]:
-        """Whether each rank answers a ping now (a restarting rank does not)."""
-        refs = [a.ping.remote() for a in self.actors]
-        out = []
+    def health(self) -> list[RankLoad | None]:
+        """Every rank's load report, asked all at once; ``None`` for a rank that does not answer in time."""
+        refs = [a.load.remote() for a in self.actors]
+        out: list[RankLoad | None] = []
         for ref in refs:
             try:
-                self.get(ref, timeout=10)
-                out.append(True)
+                out.append(ray.get(ref, timeout=self.quick_timeout_s))
             except (RayActorError, GetTimeoutError):
-                out.append(False)
+                out.append(None)
         return out
+
+    def check_health(self) -> list[int]:
+        """Update who is live from one health round (a rank without a ledger is down); returns the ranks back."""
+        back = []
+        for r, load in enumerate(self.health()):
+            ready = load is not None and load.ready
+            with self._lock:
+                if ready and r in self._down:
+                    self._down.discard(r)
+                    back.append(r)
+                elif not ready:
+                    self._down.add(r)
+        return back
+
+    def alive(self) -> list[bool]:
+        """Whether each rank answers now (a restarting rank does not)."""
+        return [load is not None for load in self.health()]
 
     def heal(self, timeout_s: float = 90.0, poll_s: float = 0.5) -> list[int]:
         """Wait until every rank is back (Ray restarts dead ones), then re-form the group if any had restarted.
@@ -243,44 +268,71 @@ class Cluster:
         that had restarted; raises ``ClusterError`` when one is not back in time.
         """
         deadline = time.monotonic() + timeout_s
-        restarted: list[int] = []
-        for r, a in enumerate(self.actors):
-            while True:
-                try:
-                    load = self.get(a.load.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                    break
-                except (RayActorError, GetTimeoutError):
-                    if time.monotonic() >= deadline:
-                        raise ClusterError(f"rank {r} did not come back within {timeout_s:g} s") from None
-                    time.sleep(poll_s)  # the actor is restarting; Ray reports no event to wait on
-            if not load["ready"]:
-                restarted.append(r)
+        while True:
+            loads = self.health()
+            if all(load is not None for load in loads):
+                break
+            if time.monotonic() >= deadline:
+                gone = [r for r, load in enumerate(loads) if load is None]
+                raise ClusterError(f"rank(s) {gone} did not come back within {timeout_s:g} s")
+            time.sleep(poll_s)  # the actors are restarting; Ray reports no event to wait on
+        restarted = [r for r, load in enumerate(loads) if not load.ready]
         if restarted:
             logger.warning("rank(s) %s restarted: re-forming the process group", restarted)
             self.form_group()
+            self.check_health()
         return restarted
 
     # ------------------------------------------------------------------ reports
 
     def status(self) -> dict:
         """Ranks, device, agreed block counts per tier, blocks in use, whether each rank is alive."""
-        refs = [a.load.remote() for a in self.actors]
-        stat_refs = [a.stats.remote() for a in self.actors]
         ranks = []
-        for r, (ref, sref) in enumerate(zip(refs, stat_refs)):
-            try:
-                load = self.get(ref, timeout=15)
-                st = self.get(sref, timeout=15) if load.get("ready") else None
-            except (RayActorError, GetTimeoutError) as e:
-                ranks.append({"rank": r, "alive": False, "error": type(e).__name__})
+        for r, load in enumerate(self.health()):
+            if load is None:
+                ranks.append({"rank": r, "alive": False})
                 continue
-            entry = {"rank": r, "alive": True, **load}
-            if st is not None:
-                entry.update(device=st["device"], backend=st["backend"], in_group=st["in_group"],
-                             device_blocks=st["max_num_blocks"], host_blocks=st["max_num_secondary_blocks"],
-                             cache_hit_rate=st["cache_hit_rate"])
+            entry = {"alive": True, **dataclasses.asdict(load)}
+            if load.ready:
+                try:
+                    info = self.clients[r].info()
+                except RankDiedError as e:
+                    ranks.append({"rank": r, "alive": False, "error": e.reason})
+                    continue
+                entry.update(device=info.device, backend=info.backend, in_group=info.in_group,
+                             device_blocks=info.device_blocks, host_blocks=info.host_blocks)
             ranks.append(entry)
         return {"num_ranks": len(self.actors), "device": self.device, "generation": self.generation,
                 "agreed_blocks": None if self.block_counts is None else
                 {"device": self.block_counts[0], "host": self.block_counts[1]},
                 "ranks": ranks, "time": time.time()}
+
+
+class _ProcessGroupMover:
+    """A migration's bytes as one ``torch.distributed`` send from the source actor and one receive on the target."""
+
+    def __init__(self, cluster: Cluster, src: int, dst: int) -> None:
+        self.cluster, self.src, self.dst = cluster, src, dst
+
+    def move(self, export: ExportTicket, start: int, target: ImportTicket) -> int:
+        a, b = self.cluster.actors[self.src], self.cluster.actors[self.dst]
+        send = a.export_send.remote(export.pin_id, start, self.dst)
+        recv = b.import_recv.remote(target.import_id, self.src)
+        try:
+            nbytes, got = ray.get([send, recv], timeout=self.cluster.config.group_timeout_s + 30)
+        except BaseException as e:
+            for ref in (send, recv):
+                ray.cancel(ref, force=False)
+            if isinstance(e, RayActorError):
+                raise RankDiedError(self._which_died(), f"it died during a migration ({type(e).__name__})") from e
+            raise
+        assert got == target.blocks, f"rank {self.dst} stored {got} blocks, {target.blocks} were sent"
+        return nbytes
+
+    def _which_died(self) -> int:
+        for r in (self.src, self.dst):
+            try:
+                self.cluster.clients[r].wait(self.cluster.actors[r].ping.remote(), "ping")
+            except RankDiedError:
+                return r
+        return self.src

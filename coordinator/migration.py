@@ -1,23 +1,55 @@
-"""KV migration between ranks: a prompt's prefix blocks move from rank A to rank B in one message.
+"""KV migration between two ranks: the one choreography every cluster uses, whatever moves the bytes.
 
-The target allocates first (sharing whatever prefix it already holds), the
-source pins the blocks it holds, gathers the ones the target lacks into one
-contiguous buffer and sends it; the target receives, scatters into its pool and
-stores the blocks in its tree, so they are reusable and announced with
-``BlockStored``. Transfers between one pair of ranks never interleave: one lock
-per unordered pair.
+A prompt's prefix blocks move from rank A to rank B: the source pins the
+blocks it holds, the target allocates the ones it lacks (sharing whatever
+prefix it already has), a ``BlockMover`` carries those blocks' KV across and
+the target stores them in its tree (reusable, announced with ``BlockStored``),
+releasing the source's pin. If anything fails after the pin, the pin is
+released and the import aborted, so no block whose KV was not written is ever
+stored, and nothing stays pinned.
+
+The steps are the rank interface's (``export_begin`` / ``export_end``,
+``import_begin`` / ``import_abort``); only the move differs: a
+``torch.distributed`` send and receive between rank actors
+(``kvledger.coordinator.cluster``), a tensor handed over in this process
+(``kvledger.coordinator.local_cluster``), or nothing at all between ledgers that
+keep only the books (the replay simulator). ``Migrator`` adds the one rule
+every cluster shares: transfers between one pair of ranks never interleave.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-import ray
-from ray.exceptions import GetTimeoutError
+from kvledger.worker.wire.messages import ExportTicket, ImportTicket
 
-from kvledger.coordinator.cluster import Cluster
+logger = logging.getLogger(__name__)
+
+
+class MigrationEnd(Protocol):
+    """One side of a migration (a ``RankClient`` is one)."""
+
+    def export_begin(self, tokens: Sequence[int], max_blocks: int | None = None, lora_id: int | None = None,
+                     cache_salt: str | None = None) -> ExportTicket: ...
+
+    def export_end(self, pin_id: int) -> None: ...
+
+    def import_begin(self, tokens: Sequence[int], num_blocks: int, lora_id: int | None = None,
+                     cache_salt: str | None = None) -> ImportTicket: ...
+
+    def import_abort(self, import_id: int) -> None: ...
+
+
+class BlockMover(Protocol):
+    """Carries the KV of an import's blocks from the source's pin; the target stores them, the pin is released."""
+
+    def move(self, export: ExportTicket, start: int, target: ImportTicket) -> int:
+        """Move pinned blocks ``start..`` into the import; returns the bytes moved."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,17 +59,58 @@ class MigrationResult:
     matched_blocks: int
     """Full prefix blocks the source held (and pinned)."""
     sent_blocks: int
-    """Blocks that crossed the wire (the target already held the others)."""
+    """Blocks that crossed (the target already held the others)."""
     bytes: int
     seconds: float
-    """Wall time of the transfer itself (send/recv and scatter), after both sides were prepared."""
+    """Wall time of the move itself, after both sides were prepared."""
+
+
+def migrate_prefix(src: MigrationEnd, dst: MigrationEnd, mover: BlockMover, tokens: Sequence[int],
+                   src_rank: int, dst_rank: int, max_blocks: int | None = None, lora_id: int | None = None,
+                   cache_salt: str | None = None) -> MigrationResult:
+    """Move the prefix blocks of prompt ``tokens`` that ``src`` holds (at most ``max_blocks``) to ``dst``."""
+    tokens = list(tokens)
+    export = src.export_begin(tokens, max_blocks, lora_id, cache_salt)
+    if export.blocks == 0:
+        src.export_end(export.pin_id)
+        return MigrationResult(src_rank, dst_rank, 0, 0, 0, 0.0)
+    try:
+        target = dst.import_begin(tokens, export.blocks, lora_id, cache_salt)
+    except BaseException:
+        src.export_end(export.pin_id)
+        raise
+    if target.blocks == 0:
+        src.export_end(export.pin_id)
+        return MigrationResult(src_rank, dst_rank, export.blocks, 0, 0, 0.0)
+    t0 = time.perf_counter()
+    try:
+        nbytes = mover.move(export, export.blocks - target.blocks, target)
+    except BaseException:
+        _undo(src.export_end, export.pin_id, src_rank)
+        _undo(dst.import_abort, target.import_id, dst_rank)
+        raise
+    return MigrationResult(src_rank, dst_rank, export.blocks, target.blocks, nbytes, time.perf_counter() - t0)
+
+
+def _undo(step: Callable[[int], None], ticket: int, rank: int) -> None:
+    """One side's clean-up after a failed move; a side that cannot be reached (its ledger went with it) is
+    logged, so the failure that stopped the move is the one the caller sees."""
+    try:
+        step(ticket)
+    except Exception as e:
+        logger.warning("rank %d: releasing migration ticket %d failed: %s", rank, ticket, e)
 
 
 class Migrator:
-    """Moves prefix blocks between the ranks of one cluster."""
+    """Migrations within one cluster: ``ends(rank)`` reaches a rank, ``mover(src, dst)`` moves between two.
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
+    One lock per unordered pair keeps two transfers between the same ranks from
+    interleaving on their shared channel; transfers between other pairs go on.
+    """
+
+    def __init__(self, ends: Callable[[int], MigrationEnd], mover: Callable[[int, int], BlockMover]) -> None:
+        self._ends = ends
+        self._mover = mover
         self._locks: dict[frozenset[int], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -47,40 +120,9 @@ class Migrator:
 
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None = None,
                 lora_id: int | None = None, cache_salt: str | None = None) -> MigrationResult:
-        """Move the prefix blocks of prompt ``tokens`` that ``src`` holds (at most ``max_blocks``) to ``dst``."""
-        n = len(self.cluster.actors)
-        if not (0 <= src < n and 0 <= dst < n) or src == dst:
-            raise ValueError(f"migrate needs two different ranks in 0..{n - 1}, got src={src} dst={dst}")
-        tokens = list(tokens)
-        A, B = self.cluster.actors[src], self.cluster.actors[dst]
-        get = self.cluster.get
-        timeout = self.cluster.config.group_timeout_s + 30
+        if src == dst:
+            raise ValueError(f"migrate needs two different ranks, got {src} twice")
+        source, target = self._ends(src), self._ends(dst)
         with self._pair_lock(src, dst):
-            pin_id, matched = get(A.export_begin.remote(tokens, max_blocks, lora_id, cache_salt))
-            if matched == 0:
-                get(A.export_end.remote(pin_id))
-                return MigrationResult(src, dst, 0, 0, 0, 0.0)
-            try:
-                import_id, count = get(B.import_begin.remote(tokens, matched, lora_id, cache_salt))
-            except BaseException:
-                get(A.export_end.remote(pin_id))
-                raise
-            if count == 0:
-                get(A.export_end.remote(pin_id))
-                return MigrationResult(src, dst, matched, 0, 0, 0.0)
-            t0 = time.perf_counter()
-            send = A.export_send.remote(pin_id, matched - count, dst)
-            recv = B.import_recv.remote(import_id, src)
-            try:
-                nbytes, got = get([send, recv], timeout)
-            except BaseException:
-                for ref in (send, recv):
-                    ray.cancel(ref, force=False)
-                try:
-                    get([A.export_end.remote(pin_id), B.import_abort.remote(import_id)], 30)
-                except (GetTimeoutError, ray.exceptions.RayError):
-                    pass
-                raise
-            seconds = time.perf_counter() - t0
-            assert got == count, f"rank {dst} stored {got} blocks, {count} were sent"
-            return MigrationResult(src, dst, matched, count, nbytes, seconds)
+            return migrate_prefix(source, target, self._mover(src, dst), tokens, src, dst, max_blocks, lora_id,
+                                  cache_salt)

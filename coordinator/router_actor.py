@@ -33,10 +33,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.coordinator.ray_backend import RayBackend
 from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
 from kvledger.router.config import RouterConfig
-from kvledger.router.service import RouterService, parse_vllm_endpoint
+from kvledger.router.feed import parse_vllm_endpoint
+from kvledger.router.service import RouterService
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +74,16 @@ class RouterHost:
     def __init__(self, cluster_config: ClusterConfig, actors: list, device: str, config: RouterActorConfig) -> None:
         self.config = config
         self.cluster = Cluster(cluster_config, actors, device)
-        self.backend = RayBackend(self.cluster)
-        self.service = RouterService(self.backend, config.router)
+        self.service = RouterService(self.cluster, config.router)
         self._self_handle = _own_handle()
         self._stop = threading.Event()
         self.server = HttpServer(make_app(self.service), config.host, config.port).start()
         # snapshot first, then attach: the first batch a rank pushes then follows its snapshot's number,
         # where a batch 0 arriving after the snapshot would read as a restart and cost a second one
-        self.service.sync_ranks()
+        self.service.feed.sync()
         self._attach_all()
         for spec in config.vllm_events:
-            self.service.attach_vllm(*parse_vllm_endpoint(spec))
+            self.service.feed.attach_vllm(*parse_vllm_endpoint(spec))
         self._maintenance = threading.Thread(target=self._maintain, name="kvledger-router-maintenance", daemon=True)
         self._maintenance.start()
 
@@ -93,7 +92,7 @@ class RouterHost:
 
     def ingest(self, rank: int, seq: int, data: bytes) -> str:
         """A rank's pushed batch; returns what the index did with it (``ApplyStatus`` value)."""
-        return self.service.ingest(rank, seq, data).status.value
+        return self.service.feed.ingest(rank, seq, data).status.value
 
     def ping(self) -> bool:
         return True
@@ -107,20 +106,20 @@ class RouterHost:
         if self._self_handle is None:
             return
         refs = {r: self.cluster.actors[r].attach_router.remote(self._self_handle, self.config.push_interval_s)
-                for r in self.backend.ranks()}
+                for r in self.cluster.live()}
         for r, ref in refs.items():
             try:
-                ray.get(ref, timeout=self.backend.quick_timeout_s)
+                ray.get(ref, timeout=self.cluster.quick_timeout_s)
             except (RayActorError, GetTimeoutError):
-                self.backend.mark_down(r)
+                self.cluster.mark_down(r)
 
     def _maintain(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
             try:
-                back = self.backend.check_health()
+                back = self.cluster.check_health()
                 if back:
                     logger.info("rank(s) %s are back", back)
-                self.service.sync_ranks()
+                self.service.feed.sync()
                 self._attach_all()   # idempotent; restarts the publisher of a rank that restarted
                 self.service.refresh_loads(force=True)
             except Exception:  # keep maintaining: one bad round must not stop the router's upkeep

@@ -1,122 +1,229 @@
-"""``kvledger``: parses arguments and calls the library, nothing more."""
+"""``kvledger``: parses arguments and calls the library, nothing more.
+
+Only the sub-command being run gets its flags built (``kvledger --help`` still
+lists every sub-command with its one-line help): ``up``'s flags come from the
+config dataclasses, which import torch and Ray, and ``route``, ``monitor``,
+``status`` and ``down`` start without either.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import kvledger.coordinator  # noqa: F401  (before anything imports ray: one auth mode, loopback-only local Ray)
-from kvledger.coordinator.config import ClusterConfig
-from kvledger.router.policies import policy_names
-from kvledger.router.config import RouterConfig
-from kvledger.router.service import parse_vllm_endpoint
+if TYPE_CHECKING:
+    from kvledger.launch.up import UpOptions
 
-_DEFAULTS = ClusterConfig()
+Run = Callable[[argparse.Namespace], int]
+"""A sub-command's action on the parsed arguments; returns the exit status."""
+AddFlags = Callable[[argparse.ArgumentParser], Run]
+"""Adds a sub-command's flags to its parser; returns its action."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def _demo(p: argparse.ArgumentParser) -> Run:
+    def run(args: argparse.Namespace) -> int:
+        from kvledger.launch.demo import run_demo
+        run_demo()
+        return 0
+    return run
+
+
+def _vllm_endpoint(spec: str) -> str:
+    """``--vllm-events``' value, checked when parsed so a bad one names the flag."""
+    from kvledger.router.feed import parse_vllm_endpoint
+    parse_vllm_endpoint(spec)
+    return spec
+
+
+def _given_budgets_win(cache_given: dict[str, object], cluster_given: dict[str, object],
+                       ) -> tuple[dict[str, None], dict[str, None]]:
+    """The budgets to clear (cache's, cluster's) so that the ones the user gave take effect.
+
+    The default cache sets its budgets in bytes, which win over block counts, so a tier's block count given
+    without its byte budget clears that budget; on CUDA the device tier takes ``gpu_memory_fraction`` over any budget,
+    so a device-tier budget given without ``--gpu-memory-fraction`` clears the fraction.
+    """
+    cache_budgets = {budget: None for blocks, budget in (("num_primary_blocks", "primary_bytes"),
+                                                         ("num_secondary_blocks", "secondary_bytes"))
+                     if blocks in cache_given and budget not in cache_given}
+    device_budget = cache_given.keys() & {"primary_bytes", "num_primary_blocks"}
+    cluster_budgets = ({"gpu_memory_fraction": None}
+                       if device_budget and "gpu_memory_fraction" not in cluster_given else {})
+    return cache_budgets, cluster_budgets
+
+
+def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOptions]:
+    """Add ``up``'s flags, built from the config dataclasses; returns what assembles the validated options.
+
+    Groups: the cluster (``ClusterConfig``), each rank's cache (``CacheConfig``), the router
+    (``RouterConfig``), each routing policy's options (``--<policy>-<field>``) and the router's HTTP API
+    (``RouterActorConfig``). A bad value ends the program with exit 2 and a message naming its flag.
+    """
+    import torch
+
+    import kvledger.coordinator  # noqa: F401  (before anything imports ray: one auth mode, loopback-only local Ray)
+    from kvledger.coordinator.config import ClusterConfig, default_cache
+    from kvledger.coordinator.router_actor import RouterActorConfig
+    from kvledger.launch.flags import SIZE, SIZES, Converter, add_dataclass_flags
+    from kvledger.launch.up import UpOptions
+    from kvledger.router.config import RouterConfig
+    from kvledger.router.policies import make_policy, policy_names
+
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="join this Ray cluster (e.g. one made with `ray start --head`) instead of starting one")
+    p.add_argument("--workload", choices=["bundled"], default=None,
+                   help="route the bundled workload through the cluster, print each request, then stop")
+    p.add_argument("--no-router", action="store_true", help="start the ranks only (Python API)")
+    p.add_argument("--detach", action="store_true",
+                   help="return once the cluster is healthy; stop it later with `kvledger down`")
+    cluster = add_dataclass_flags(
+        p, ClusterConfig(), title="cluster", exclude=("cache", "detached"),
+        rename={"num_ranks": "ranks", "num_cpus_per_rank": "cpus-per-rank"},
+        converters={"primary_bytes_per_rank": SIZES})
+    cache = add_dataclass_flags(
+        p, default_cache(), title="cache (each rank)", exclude=("device", "materialize"),
+        description="A tier's block count given without its byte budget replaces that budget; on CUDA a "
+                    "device-tier budget given without --gpu-memory-fraction replaces the GPU memory share.",
+        converters={"dtype": Converter.choice({"float16": torch.float16, "bfloat16": torch.bfloat16,
+                                               "float32": torch.float32}),
+                    "primary_bytes": SIZE, "secondary_bytes": SIZE})
+    router = add_dataclass_flags(
+        p, RouterConfig(), title="router", exclude=("tokens_per_block", "policy_options"),
+        rename={"seed": "router-seed"}, converters={"policy": Converter.choice({n: n for n in policy_names()})})
+    policies = {name: add_dataclass_flags(p, config_type(), title=f"{name} policy (with --policy {name})",
+                                          prefix=name)
+                for name in policy_names()
+                if (config_type := type(make_policy(name)).config_type) is not None}
+    http = add_dataclass_flags(p, RouterActorConfig(), title="router HTTP API", exclude=("router",),
+                               converters={"vllm_events": Converter(_vllm_endpoint, metavar="TCP[,REPLAY]")})
+
+    def policy_options(args: argparse.Namespace, chosen: str) -> dict[str, object]:
+        """The options given for policy ``chosen`` (checked by its config); another policy's option is an error."""
+        for name, flags in policies.items():
+            stray = [flags.flags[f] for f in flags.given(args)] if name != chosen else []
+            if stray:
+                p.error(f"{', '.join(stray)}: option(s) of policy {name!r}, but the policy is {chosen!r} "
+                        f"(--policy {name} to use them)")
+        if chosen not in policies:
+            return {}
+        policies[chosen].build(args, p)
+        return policies[chosen].given(args)
+
+    def options(args: argparse.Namespace) -> UpOptions:
+        cache_budgets, cluster_budgets = _given_budgets_win(cache.given(args), cluster.given(args))
+        cluster_config = cluster.build(args, p, cache=cache.build(args, p, **cache_budgets), **cluster_budgets,
+                                       detached=args.address is not None or args.workload is None)
+        chosen = router.given(args).get("policy", router.default.policy)
+        router_config = router.build(args, p, policy_options=policy_options(args, chosen))
+        http_config = http.build(args, p, router=router_config)
+        if args.no_router:
+            ignored = [g.flags[f] for g in (router, *policies.values(), http) for f in g.given(args)]
+            if ignored:
+                p.error(f"--no-router starts no router; drop {', '.join(ignored)}")
+        if args.detach and args.workload is not None:
+            p.error("--workload runs and stops; it cannot be combined with --detach")
+        try:
+            return UpOptions(cluster_config, None if args.no_router else http_config, args.address, args.workload)
+        except ValueError as e:
+            p.error(str(e))
+
+    return options
+
+
+def _up(p: argparse.ArgumentParser) -> Run:
+    options = _up_flags(p)
+
+    def run(args: argparse.Namespace) -> int:
+        from kvledger.launch import up
+        opts = options(args)
+        return up.up_detached(opts) if args.detach else up.up(opts)
+    return run
+
+
+def _route(p: argparse.ArgumentParser) -> Run:
+    p.add_argument("prompt")
+    p.add_argument("--url", default=None, help="router URL (default: the running cluster's, else :8000)")
+    p.add_argument("--salt", default=None, help="cache salt: only prompts with the same salt share KV")
+    p.add_argument("--max-tokens", type=int, default=16)
+
+    def run(args: argparse.Namespace) -> int:
+        from kvledger.launch.router_client import route
+        return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens)
+    return run
+
+
+def _monitor(p: argparse.ArgumentParser) -> Run:
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="newline-delimited JSON events")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: Ctrl-C)")
+    p.add_argument("--url", default=None)
+
+    def run(args: argparse.Namespace) -> int:
+        from kvledger.launch.router_client import monitor
+        return monitor(url=args.url, rank=args.rank, as_json=args.json, seconds=args.seconds)
+    return run
+
+
+def _status(p: argparse.ArgumentParser) -> Run:
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    def run(args: argparse.Namespace) -> int:
+        from kvledger.launch import up
+        return up.status(as_json=args.json)
+    return run
+
+
+def _down(p: argparse.ArgumentParser) -> Run:
+    def run(args: argparse.Namespace) -> int:
+        from kvledger.launch import up
+        return up.down()
+    return run
+
+
+_COMMANDS: dict[str, tuple[str, AddFlags] | None] = {
+    "demo": ("walk through one rank's ledger: reuse, eviction, offload", _demo),
+    "up": ("start a local Ray cluster (or join one) with one rank actor per GPU/slot", _up),
+    "route": ("send one prompt through the router; print rank, cached tokens, output", _route),
+    "monitor": ("watch the router's event stream and the ranks", _monitor),
+    "bench": None,  # ``bench_cli.add_bench_parser`` adds its own sub-parser, help included
+    "status": ("ranks, device, agreed block counts, blocks in use, alive", _status),
+    "down": ("stop the cluster `kvledger up` started: its actors and the processes it started", _down),
+}
+
+
+def _parser(command: str | None) -> tuple[argparse.ArgumentParser, Run | None]:
+    """The parser with every sub-command and the flags of ``command`` only; and ``command``'s action.
+
+    ``bench``'s module imports torch, so its sub-parser is added only when it runs or the sub-commands are
+    listed (no known ``command``).
+    """
     p = argparse.ArgumentParser(prog="kvledger", description="KV-cache coordinator for multi-GPU LLM serving")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="walk through one rank's ledger: reuse, eviction, offload")
-
-    up = sub.add_parser("up", help="start a local Ray cluster (or join one) with one rank actor per GPU/slot")
-    up.add_argument("--ranks", type=int, default=_DEFAULTS.num_ranks, help="rank actors (default %(default)s)")
-    up.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_DEFAULTS.device,
-                    help="cuda: one GPU per rank, NCCL; cpu: fractional CPUs, gloo; auto: cuda when the cluster "
-                         "has a GPU per rank (default %(default)s)")
-    up.add_argument("--address", default=None,
-                    help="join this Ray cluster (e.g. one made with `ray start --head`) instead of starting one")
-    up.add_argument("--detach", action="store_true",
-                    help="return once the cluster is healthy; stop it later with `kvledger down`")
-    up.add_argument("--workload", choices=["bundled"], default=None,
-                    help="route the bundled workload through the cluster, print each request, then stop")
-    up.add_argument("--cpus-per-rank", type=float, default=_DEFAULTS.num_cpus_per_rank,
-                    help="CPUs each rank reserves on a CPU-only cluster (default %(default)s)")
-    up.add_argument("--host", default="127.0.0.1", help="interface of the router's HTTP API (default %(default)s)")
-    up.add_argument("--port", type=int, default=8000, help="port of the router's HTTP API (0: any free port; "
-                                                            "default %(default)s)")
-    up.add_argument("--no-router", action="store_true", help="start the ranks only (Python API)")
-    up.add_argument("--vllm-events", action="append", default=[], metavar="TCP[,REPLAY]",
-                    help="also index a real vLLM engine's KV events: its ZMQ publisher tcp://HOST:PORT, optionally "
-                         "followed by ,tcp://HOST:REPLAY_PORT (repeatable)")
-    up.add_argument("--policy", default=RouterConfig.policy, metavar="NAME",
-                    help=f"routing policy: one of {', '.join(policy_names())} (default %(default)s)")
-
-    route = sub.add_parser("route", help="send one prompt through the router; print rank, cached tokens, output")
-    route.add_argument("prompt")
-    route.add_argument("--url", default=None, help="router URL (default: the running cluster's, else :8000)")
-    route.add_argument("--salt", default=None, help="cache salt: only prompts with the same salt share KV")
-    route.add_argument("--max-tokens", type=int, default=16)
-
-    mon = sub.add_parser("monitor", help="watch the router's event stream and the ranks")
-    mon.add_argument("--rank", type=int, default=None)
-    mon.add_argument("--json", action="store_true", help="newline-delimited JSON events")
-    mon.add_argument("--seconds", type=float, default=None, help="stop after this long (default: Ctrl-C)")
-    mon.add_argument("--url", default=None)
-
-    try:
-        from kvledger.launch.bench_cli import add_bench_parser
-    except ImportError:  # the bench comes with the router's issue
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
-
-    st = sub.add_parser("status", help="ranks, device, agreed block counts, blocks in use, alive")
-    st.add_argument("--json", action="store_true", help="print JSON")
-    sub.add_parser("down", help="stop the cluster `kvledger up` started: its actors and the processes it started")
-    return p
+    run = None
+    for name, spec in _COMMANDS.items():
+        if spec is None:
+            if name == command or command not in _COMMANDS:
+                from kvledger.launch.bench_cli import add_bench_parser, run_bench
+                add_bench_parser(sub)
+                if name == command:
+                    run = run_bench
+            continue
+        text, add_flags = spec
+        parser = sub.add_parser(name, help=text, description=text)
+        if name == command:
+            run = add_flags(parser)
+    return p, run
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
-    if args.command == "demo":
-        from kvledger.launch.demo import run_demo
-        run_demo()
-        return 0
-    if args.command == "up":
-        if args.ranks < 1:
-            print("kvledger up: --ranks must be >= 1", file=sys.stderr)
-            return 2
-        if args.detach and args.workload:
-            print("kvledger up: --workload runs and stops; it cannot be combined with --detach", file=sys.stderr)
-            return 2
-        from kvledger.launch import up
-        if args.detach:
-            rest = [a for a in argv[argv.index("up") + 1:] if a != "--detach"]
-            return up.up_detached(rest)
-        if not 0 <= args.port <= 65535:
-            print("kvledger up: --port must be in 0..65535", file=sys.stderr)
-            return 2
-        config = ClusterConfig(num_ranks=args.ranks, device=args.device, num_cpus_per_rank=args.cpus_per_rank,
-                               detached=args.address is not None or args.workload is None)
-        try:
-            for spec in args.vllm_events:
-                parse_vllm_endpoint(spec)
-        except ValueError as e:
-            print(f"kvledger up: --vllm-events: {e}", file=sys.stderr)
-            return 2
-        if args.policy not in policy_names():
-            print(f"kvledger up: unknown --policy {args.policy!r}; choose one of {', '.join(policy_names())}",
-                  file=sys.stderr)
-            return 2
-        return up.up(config, address=args.address, workload=args.workload, router=not args.no_router,
-                     host=args.host, port=args.port, policy=args.policy, vllm_events=args.vllm_events)
-    if args.command == "route":
-        from kvledger.launch.router_client import route
-        return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens)
-    if args.command == "monitor":
-        from kvledger.launch.router_client import monitor
-        return monitor(url=args.url, rank=args.rank, as_json=args.json, seconds=args.seconds)
-    if args.command == "bench":
-        from kvledger.launch.bench_cli import run_bench
-        return run_bench(args)
-    if args.command == "status":
-        from kvledger.launch import up
-        return up.status(as_json=args.json)
-    if args.command == "down":
-        from kvledger.launch import up
-        return up.down()
-    return 2
+    # ``kvledger`` itself takes no option but --help, so the first other word is the sub-command
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser, run = _parser(command)
+    args = parser.parse_args(argv)
+    assert run is not None, f"argparse accepted sub-command {args.command!r}, which has no action"
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ def state_path() -> Path:
     return state_dir() / "cluster.json"
 
 
+def options_path() -> Path:
+    """Where ``up --detach`` leaves the validated options for the owner it starts (which removes the file)."""
+    return state_dir() / "up-options.pickle"
+
+
 @dataclass
 class ClusterState:
     address: str

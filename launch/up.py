@@ -1,7 +1,8 @@
 """``kvledger up / status / down``: start or join Ray, spawn the ranks, report, and stop exactly what was started.
 
 ``up`` in the foreground owns the cluster until Ctrl-C (or SIGTERM). ``up
---detach`` starts that same foreground owner as a background process in its
+--detach`` starts that same foreground owner (``kvledger.launch.owner``, handed
+the options this process parsed and validated) as a background process in its
 own session and returns once the owner reports the cluster healthy in the state
 file. ``down`` kills the rank actors, then the owner and the processes it
 started (by pid, checked against their start times); it never runs ``ray
@@ -9,24 +10,58 @@ stop``, so other Ray clusters on the machine are left alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import kvledger.coordinator  # noqa: F401  (before ray: one auth mode, loopback-only local Ray)
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.launch.state import ClusterState, descendants, is_alive, start_time, state_dir, state_path
+from kvledger.launch.state import (
+    ClusterState,
+    descendants,
+    is_alive,
+    options_path,
+    start_time,
+    state_dir,
+    state_path,
+)
+
+if TYPE_CHECKING:  # the router actor's module imports Ray; ``status`` and ``down`` import this one without it
+    from kvledger.coordinator.router_actor import RouterActorConfig
 
 logger = logging.getLogger(__name__)
 HEALTH_EVERY_S = 5.0
 DETACH_WAIT_S = 180.0
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """Everything ``kvledger up`` starts, validated: what the detached owner receives, pickled, from its parent."""
+
+    cluster: ClusterConfig
+    """The ranks (their ``cache`` geometry and budgets included)."""
+    router: RouterActorConfig | None
+    """The router actor and its HTTP API; ``None``: the ranks only (Python API)."""
+    address: str | None = None
+    """Join this Ray cluster (``host:port``) instead of starting one."""
+    workload: Literal["bundled"] | None = None
+    """Route the bundled workload through the cluster, print each request, then stop."""
+
+    def __post_init__(self) -> None:
+        if self.workload is not None and self.router is None:
+            raise ValueError(f"the {self.workload} workload is sent through the router; drop --no-router")
 
 
 def _ray_pids() -> list[tuple[int, int]]:
@@ -58,17 +93,13 @@ def _where(state: ClusterState) -> str:
             f"  commands      kvledger status [--json] | kvledger down")
 
 
-def _start_router(cluster, host: str, port: int, detached: bool, out: Callable[[str], None],
-                  policy: str = "kv", vllm_events: Sequence[str] = ()):
+def _start_router(cluster, config: RouterActorConfig, detached: bool, out: Callable[[str], None]):
     """Start the router actor (HTTP API) over the ranks; ``(handle, url)``, or ``(None, None)`` when it cannot.
 
     Keep the handle while the router is wanted: Ray ends a non-detached actor once no handle to it is left.
     """
     try:
-        from kvledger.coordinator.router_actor import ROUTER_NAME, RouterActorConfig, start_router
-        from kvledger.router.config import RouterConfig
-        config = RouterActorConfig(host=host, port=port, router=RouterConfig(policy=policy),
-                                   vllm_events=tuple(vllm_events))
+        from kvledger.coordinator.router_actor import ROUTER_NAME, start_router
         return start_router(cluster, config, name=ROUTER_NAME, detached=detached)
     except Exception as e:  # the ranks stay usable from Python; say why the HTTP API is missing
         out(f"the router did not start ({type(e).__name__}: {e}); the cluster is reachable from Python only")
@@ -85,9 +116,7 @@ def _kill_router(name: str | None, namespace: str) -> None:
         pass
 
 
-def up(config: ClusterConfig, address: str | None = None, workload: str | None = None,
-       out: Callable[[str], None] = print, router: bool = True, host: str = "127.0.0.1", port: int = 8000,
-       policy: str = "kv", vllm_events: Sequence[str] = ()) -> int:
+def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
     """Start (or join) Ray and the ranks; run the workload and stop, or hold the cluster until Ctrl-C/SIGTERM."""
     import ray
 
@@ -95,6 +124,7 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
     from kvledger.coordinator.ray_env import init_ray
     from kvledger.coordinator.router_actor import ROUTER_NAME
 
+    config, address, workload = options.cluster, options.address, options.workload
     existing = ClusterState.load()
     if workload is None and existing is not None and is_alive(existing.owner_pid, existing.owner_start):
         out(f"a kvledger cluster is already up (owner pid {existing.owner_pid}, {state_path()}); "
@@ -115,18 +145,19 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
             f"agreed block counts (device, host) = {cluster.block_counts}")
         if workload is not None:
             from kvledger.launch.workload import run_bundled
+            assert options.router is not None, "UpOptions refuses a workload without a router"
             # A one-shot run takes any free port, so it never collides with a cluster already serving.
-            router_actor, router_url = _start_router(cluster, host, 0, False, out, policy, vllm_events)
+            one_shot = dataclasses.replace(options.router, port=0)
+            router_actor, router_url = _start_router(cluster, one_shot, False, out)
             if router_actor is None:
                 return 1
             router_name = ROUTER_NAME
-            out(f"router on {router_url} (policy {policy})")
+            out(f"router on {router_url} (policy {one_shot.router.policy})")
             run_bundled(cluster, router_url, out)
             return 0
         router_url = None
-        if router:
-            router_actor, router_url = _start_router(cluster, host, port, config.detached, out, policy,
-                                                     vllm_events)
+        if options.router is not None:
+            router_actor, router_url = _start_router(cluster, options.router, config.detached, out)
             router_name = ROUTER_NAME if router_actor is not None else None
         node = ray._private.worker._global_node
         pids = _ray_pids() if address is None else []
@@ -162,18 +193,25 @@ def up(config: ClusterConfig, address: str | None = None, workload: str | None =
         out("cluster stopped")
 
 
-def up_detached(argv: list[str], out: Callable[[str], None] = print) -> int:
-    """Run ``kvledger up`` (these arguments, no ``--detach``) in the background; return once it is healthy."""
+def up_detached(options: UpOptions, out: Callable[[str], None] = print) -> int:
+    """Run ``up(options)`` in a background owner process in its own session; return once it is healthy.
+
+    The options travel pickled (``options_path()``), already validated, so the owner runs exactly what this
+    process parsed; ``kvledger.launch.owner`` loads them (and removes the file) and calls ``up``.
+    """
+    if options.workload is not None:
+        raise ValueError("a workload runs and stops; it cannot run detached")
     existing = ClusterState.load()
     if existing is not None and is_alive(existing.owner_pid, existing.owner_start):
         out(f"a kvledger cluster is already up (owner pid {existing.owner_pid}); run `kvledger down` first")
         return 1
     ClusterState.remove()
+    handoff = save_options(options)
     log = state_dir() / "up.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvledger.launch.cli", "up", *argv], stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=os.environ.copy())
+        proc = subprocess.Popen([sys.executable, "-m", "kvledger.launch.owner", str(handoff)], stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=os.environ.copy())
     deadline = time.monotonic() + DETACH_WAIT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -193,6 +231,29 @@ def up_detached(argv: list[str], out: Callable[[str], None] = print) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
     return 1
+
+
+def save_options(options: UpOptions) -> Path:
+    """Write ``options`` for the detached owner: pickled, in a file only this user may read or write (loading a
+    pickle runs whatever it holds)."""
+    path = options_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)  # a left-over file would keep its own permissions
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(options, f)
+    tmp.replace(path)
+    return path
+
+
+def load_options(path: Path) -> UpOptions:
+    """The options ``save_options`` wrote, removing the file: it hands one ``up`` over, once."""
+    options = pickle.loads(path.read_bytes())
+    path.unlink()
+    if not isinstance(options, UpOptions):
+        raise TypeError(f"{path} holds a {type(options).__name__}, not the UpOptions of `kvledger up --detach`")
+    return options
 
 
 def _reachable(address: str, timeout_s: float = 3.0) -> bool:

@@ -40,15 +40,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from kvledger.coordinator.migration import migrate_prefix
 from kvledger.replay.trace import BlockChains, Trace, TraceRequest, request_tokens
 from kvledger.router.index import PrefixIndex
-from kvledger.router.policies import RankState, RouteRequest, RoutingPolicy, make_policy
+from kvledger.router.load import Dispatch, LoadAccount
+from kvledger.router.policies import RouteRequest, RoutingPolicy, make_policy
 from kvledger.router.policies.base import check_nonneg_numbers
 from kvledger.router.probe import PrefixMatch, match_prefix
-from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError, Request
-from kvledger.worker.rank.publisher import EventPublisher
+from kvledger.router.routing import RouteStep
+from kvledger.worker.ledger import CacheConfig, OutOfBlocksError, Request
+from kvledger.worker.rank.books import RankBooks
+from kvledger.worker.rank.transfer import TransferEndpoints
 from kvledger.worker.wire.block_key import ROOT_HASH, BlockKey, chain_hash
+from kvledger.worker.wire.messages import ExportTicket, ImportTicket
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,46 +189,55 @@ class RouteHasher:
 
 
 class _Job:
-    __slots__ = ("i", "req", "tokens", "arrival", "est_tokens", "migrate_from", "blocks_total",
+    __slots__ = ("i", "req", "tokens", "arrival", "dispatch", "migrate_from", "blocks_total",
                  "start", "duration", "cached", "onboarded", "migrated")
 
-    def __init__(self, i: int, req: TraceRequest, tokens: list[int], arrival: float, est_tokens: int,
+    def __init__(self, i: int, req: TraceRequest, tokens: list[int], arrival: float, dispatch: Dispatch,
                  migrate_from: int | None, blocks_total: int) -> None:
         self.i, self.req, self.tokens, self.arrival = i, req, tokens, arrival
-        self.est_tokens, self.migrate_from, self.blocks_total = est_tokens, migrate_from, blocks_total
+        self.dispatch, self.migrate_from, self.blocks_total = dispatch, migrate_from, blocks_total
         self.start = self.duration = 0.0
         self.cached = self.onboarded = self.migrated = 0
 
 
 class _Rank:
-    __slots__ = ("rank", "mgr", "pub", "queue", "current", "busy_until", "blocked", "queued_tokens",
-                 "decoding", "decode_blocks", "work_s", "intervals", "capacity")
+    """One simulated rank: a metadata-only ledger and its publisher (``RankBooks``), its migration endpoints,
+    its FIFO queue and the prefill in progress."""
 
-    def __init__(self, rank: int, mgr: KVCacheManager, pub: EventPublisher) -> None:
-        self.rank, self.mgr, self.pub = rank, mgr, pub
-        self.capacity = mgr.num_primary
+    __slots__ = ("rank", "books", "mgr", "pub", "transfers", "queue", "current", "blocked", "work_s", "intervals",
+                 "capacity")
+
+    def __init__(self, rank: int, books: RankBooks) -> None:
+        self.rank, self.books = rank, books
+        self.mgr, self.pub = books.ledger(), books.events()
+        self.transfers = TransferEndpoints(books)
+        self.capacity = self.mgr.num_primary
         self.queue: deque[_Job] = deque()
         self.current: _Job | None = None
-        self.busy_until = 0.0
         self.blocked = False
-        self.queued_tokens = 0
-        self.decoding = 0
-        self.decode_blocks = 0
         self.work_s = 0.0
         self.intervals: list[tuple[float, float]] = []
 
-    def state(self, now: float) -> RankState:
-        cur = self.current
-        pending = self.queued_tokens
-        if cur is not None and cur.duration > 0:
-            pending += int(cur.est_tokens * max(0.0, self.busy_until - now) / cur.duration)
-        used = self.capacity - self.mgr.stats().free_num_blocks
-        return RankState(self.rank, True, len(self.queue) + (cur is not None), pending, self.decoding,
-                         self.decode_blocks, used, self.capacity)
+    @property
+    def device_blocks(self) -> tuple[int, int]:
+        """(used, total) device blocks, as a rank's load report gives them."""
+        return self.capacity - self.mgr.stats().free_num_blocks, self.capacity
+
+
+class _BooksMover:
+    """A migration between metadata-only ledgers: no bytes to move; the target stores the blocks, the source
+    lets go of its pin."""
+
+    def __init__(self, source: _Rank, target: _Rank) -> None:
+        self.source, self.target = source, target
+
+    def move(self, export: ExportTicket, start: int, target: ImportTicket) -> int:
+        self.target.transfers.import_commit(target.import_id)
+        self.source.transfers.export_end(export.pin_id)
+        return 0
 
 
 _FINISH, _PREFILL_DONE = 0, 1   # at equal times a finish frees blocks before anything starts
-_IMPORT_ID_BASE = 1 << 40       # request ids of migration imports (never a trace index)
 
 
 class Simulator:
@@ -241,6 +256,8 @@ class Simulator:
                    **migration_options(policy, config.migration)}
         self.policy: RoutingPolicy = make_policy(policy, seed=config.seed, **options)
         self.policy_name = policy
+        self.account = LoadAccount()
+        self.step = RouteStep(self.policy, self.account)
         c = config.costs
         self.prefill_s = c.prefill_s_per_token
         self.onboard_s = c.onboard_s_per_block(T)
@@ -248,12 +265,11 @@ class Simulator:
         self.index = PrefixIndex(T)
         self.ranks: list[_Rank] = []
         for r in range(config.ranks):
-            cfg = CacheConfig(tokens_per_block=T, num_primary_blocks=config.rank_blocks(r, config.capacity_blocks),
-                              num_secondary_blocks=config.rank_blocks(r, config.host_blocks), materialize=False,
-                              device="cpu", enable_partial_reuse=config.partial_reuse)
-            mgr = KVCacheManager(cfg, clock=lambda: self.now)
-            rank = _Rank(r, mgr, EventPublisher(mgr, r, clock=lambda: self.now))
-            self.ranks.append(rank)
+            cfg = CacheConfig(tokens_per_block=T, materialize=False, device="cpu",
+                              enable_partial_reuse=config.partial_reuse)
+            books = RankBooks(r, cfg, torch.device("cpu"), 1.0, replay_size=1, clock=lambda: self.now)
+            books.build(config.rank_blocks(r, config.capacity_blocks), config.rank_blocks(r, config.host_blocks))
+            self.ranks.append(_Rank(r, books))
         self.now = 0.0
         check_fits(trace, config)
         for rank in self.ranks:
@@ -301,7 +317,8 @@ class Simulator:
         if progress is not None and n % every:
             progress(n % every)
         for rank in self.ranks:
-            assert not rank.queue and rank.current is None and not rank.decoding, f"rank {rank.rank} did not drain"
+            drained = not rank.queue and rank.current is None and self.account.inflight(rank.rank) == (0, 0)
+            assert drained, f"rank {rank.rank} did not drain"
             rank.mgr.check_integrity()
             held = {b.block_hash for b in rank.mgr.snapshot()}
             assert self.index.num_blocks(rank.rank) == len(held), f"rank {rank.rank}: the index disagrees with it"
@@ -314,9 +331,8 @@ class Simulator:
         rr = RouteRequest(tuple(tokens), hashes, T, req.output_length, req.cache_salt, req.lora_id)
         matches: dict[int, PrefixMatch] = match_prefix(self.index, hashes) if hashes else {}
         now = self.now
-        states = [r.state(now) for r in self.ranks]
-        decision = self.policy.route(rr, states, matches)
-        self.policy.on_routed(rr, decision)
+        decision = self.step.decide(rr, matches, [r.rank for r in self.ranks],
+                                    {r.rank: r.device_blocks for r in self.ranks}, now, record=True)
         rank = self.ranks[decision.rank]
         m = matches.get(decision.rank)
         have = 0 if m is None else m.matched_blocks
@@ -324,9 +340,9 @@ class Simulator:
             have += decision.migrate_blocks
         est = req.input_length - have * T
         blocks_total = -(-(req.input_length + req.output_length) // T)
-        job = _Job(i, req, tokens, now, est, decision.migrate_from, blocks_total)
+        job = _Job(i, req, tokens, now, self.account.dispatch(decision.rank, est, blocks_total), decision.migrate_from,
+                   blocks_total)
         rank.queue.append(job)
-        rank.queued_tokens += est
         self._rank_of[i] = decision.rank
         return rank
 
@@ -345,7 +361,6 @@ class Simulator:
                 rank.blocked = True    # nothing frees blocks on this rank until one of its requests finishes
                 return None
         rank.queue.popleft()
-        rank.queued_tokens -= job.est_tokens
         moved = 0
         if job.migrate_from is not None and job.migrate_from != rank.rank:
             moved = self._import_prefix(rank, self.ranks[job.migrate_from], job)
@@ -363,32 +378,27 @@ class Simulator:
         if moved:
             duration += self.config.costs.migrate_setup_s + moved * self.migrate_s
         job.start, job.duration = self.now, duration
+        self.account.started(job.dispatch, self.now, duration)
         rank.current = job
-        rank.busy_until = self.now + duration
-        heapq.heappush(self._heap, (rank.busy_until, _PREFILL_DONE, next(self._tie), rank))
+        heapq.heappush(self._heap, (self.now + duration, _PREFILL_DONE, next(self._tie), rank))
         return job
 
     def _import_prefix(self, target: _Rank, source: _Rank, job: _Job) -> int:
-        """Copy (as metadata) the prefix blocks ``source`` still holds and ``target`` lacks; returns how many moved."""
-        req, T = job.req, self.config.tokens_per_block
-        src = source.mgr.analyze_prefix_reuse(job.tokens, req.lora_id, req.cache_salt).reusable_blocks_all
-        have = target.mgr.analyze_prefix_reuse(job.tokens, req.lora_id, req.cache_salt).reusable_blocks_all
-        if src <= have:
-            return 0
-        rid = _IMPORT_ID_BASE + job.i
-        mgr = target.mgr
-        mgr.add_sequence(Request(rid, job.tokens[:src * T], 0, req.lora_id, req.cache_salt))
-        mgr.store_context_blocks(rid)
-        mgr.remove_sequence(rid)
+        """Migrate (as metadata, by the cluster's one choreography) the prefix blocks ``source`` still holds and
+        ``target`` lacks; returns how many moved."""
+        req = job.req
+        moved = migrate_prefix(source.transfers, target.transfers, _BooksMover(source, target), job.tokens,
+                               source.rank, target.rank, None, req.lora_id, req.cache_salt).sent_blocks
+        self._publish(source)
         self._publish(target)
-        self._migrations += 1
-        return src - have
+        if moved:
+            self._migrations += 1
+        return moved
 
     def _finish(self, job: _Job) -> _Rank:
         rank = self.ranks[int(self._rank_of[job.i])]
         rank.mgr.remove_sequence(job.i)
-        rank.decoding -= 1
-        rank.decode_blocks -= job.blocks_total
+        self.account.finished(job.dispatch)
         rank.blocked = False
         self._publish(rank)
         return rank
@@ -409,8 +419,7 @@ class Simulator:
         self._onboarded += job.onboarded
         self._migrated += job.migrated
         job.tokens = []   # the ledger keeps its own copy; free the trace's
-        rank.decoding += 1
-        rank.decode_blocks += job.blocks_total
+        self.account.prefilled(job.dispatch)
         heapq.heappush(self._heap, (self.now + decode, _FINISH, next(self._tie), job))
 
     def _result(self, wall_s: float) -> PolicyRun:

@@ -97,8 +97,7 @@ class _ServiceCollector:
 
     def collect(self) -> Iterator[Metric]:
         svc = self.service
-        summary = svc.cluster(refresh=True)
-        policy = summary["policy"]
+        report = svc.report(refresh=True)
         blocks = GaugeMetricFamily("kvledger_blocks", "KV blocks per rank, tier and state (used/free)",
                                    labels=["rank", "tier", "state"])
         hit = GaugeMetricFamily("kvledger_cache_hit_rate", "The ledger's reused / (reused + missed) blocks",
@@ -112,31 +111,32 @@ class _ServiceCollector:
                                          labels=["rank"])
         inflight = GaugeMetricFamily("kvledger_inflight_requests", "Requests dispatched and not finished",
                                      labels=["rank"])
-        for r in summary["ranks"]:
-            rank = str(r["rank"])
-            if r["blocks"] is not None:
-                for tier, counts in r["blocks"].items():
-                    for state, n in counts.items():
-                        blocks.add_metric([rank, tier, state], n)
-                hit.add_metric([rank], r["cache_hit_rate"])
-            eps.add_metric([rank], r["events_per_s"])
-            events.add_metric([rank], r["events_total"])
-            decisions.add_metric([rank, policy], r["decisions"])
-            index_blocks.add_metric([rank], r["index_blocks"])
-            inflight.add_metric([rank], r["inflight_requests"])
+        for r in report.ranks:
+            rank = str(r.rank)
+            if r.blocks is not None:
+                for tier, counts in r.blocks.items():
+                    blocks.add_metric([rank, tier, "used"], counts.used)
+                    blocks.add_metric([rank, tier, "free"], counts.free)
+            if r.cache_hit_rate is not None:
+                hit.add_metric([rank], r.cache_hit_rate)
+            eps.add_metric([rank], r.events_per_s)
+            events.add_metric([rank], r.events_total)
+            decisions.add_metric([rank, report.policy], r.decisions)
+            index_blocks.add_metric([rank], r.index_blocks)
+            inflight.add_metric([rank], r.inflight_requests)
         yield from (blocks, hit, eps, events, decisions, index_blocks, inflight)
-        router = summary["router"]
+        t = report.router
         yield GaugeMetricFamily("kvledger_router_hit_rate", "Cached / prompt tokens over the router's completions",
-                                value=router["hit_rate"])
-        for name, key, doc in (("kvledger_completions", "completions", "Completions served"),
-                               ("kvledger_prompt_tokens", "prompt_tokens", "Prompt tokens of served completions"),
-                               ("kvledger_cached_tokens", "cached_tokens", "Prompt tokens served from cache"),
-                               ("kvledger_migrated_blocks", "migrated_blocks", "Blocks pulled between ranks"),
-                               ("kvledger_request_retries", "retries", "Requests re-sent after their rank died"),
-                               ("kvledger_rank_removals", "ranks_removed", "Ranks dropped from the index"),
-                               ("kvledger_index_replays", "replays", "Replays asked of ranks"),
-                               ("kvledger_index_snapshots", "snapshots", "Snapshots loaded")):
-            yield CounterMetricFamily(name, doc, value=router[key])
+                                value=t.hit_rate)
+        for name, value, doc in (("kvledger_completions", t.completions, "Completions served"),
+                                 ("kvledger_prompt_tokens", t.prompt_tokens, "Prompt tokens of served completions"),
+                                 ("kvledger_cached_tokens", t.cached_tokens, "Prompt tokens served from cache"),
+                                 ("kvledger_migrated_blocks", t.migrated_blocks, "Blocks pulled between ranks"),
+                                 ("kvledger_request_retries", t.retries, "Requests re-sent after their rank died"),
+                                 ("kvledger_rank_removals", t.ranks_removed, "Ranks dropped from the index"),
+                                 ("kvledger_index_replays", t.replays, "Replays asked of ranks"),
+                                 ("kvledger_index_snapshots", t.snapshots, "Snapshots loaded")):
+            yield CounterMetricFamily(name, doc, value=value)
         h = svc.probe_latency()
         yield HistogramMetricFamily("kvledger_probe_latency_seconds", "Index probe latency",
                                     buckets=[("+Inf" if math.isinf(le) else repr(le), n) for le, n in h.cumulative()],
@@ -198,7 +198,7 @@ def make_app(service: RouterService) -> FastAPI:
     def probe(body: ProbeBody) -> dict:
         tokens = prompt_tokens(body.prompt)
         got = service.probe(tokens, lora_id=body.lora_id, cache_salt=body.cache_salt, exact=body.exact)
-        foreign = service.foreign_engines()
+        foreign = service.feed.foreign_engines()
         ranks = []
         for r, m in sorted(got.items()):
             entry = {"rank": r, "matched_tokens": m.matched_tokens,
@@ -220,11 +220,11 @@ def make_app(service: RouterService) -> FastAPI:
 
     @app.get("/v1/cluster")
     def cluster() -> dict:
-        return service.cluster(refresh=True)
+        return service.report(refresh=True).to_dict()
 
     @app.get("/health")
     def health() -> JSONResponse:
-        live = service.backend.ranks()
+        live = service.ranks.live()
         return JSONResponse({"status": "ok" if live else "no_live_rank", "live_ranks": live},
                             status_code=200 if live else 503)
 
@@ -243,7 +243,7 @@ async def _follow(service: RouterService, request: Request, since: int, rank: in
         wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
         if wait <= 0 or await request.is_disconnected():
             return
-        recs, since = await asyncio.to_thread(service.wait_events, since, rank, min(left or 1000, 1000), wait)
+        recs, since = await asyncio.to_thread(service.feed.wait_events, since, rank, min(left or 1000, 1000), wait)
         if recs:
             yield "".join(json.dumps(r.to_dict(), separators=(",", ":")) + "\n" for r in recs).encode()
             if left is not None:

@@ -28,7 +28,6 @@ from itertools import compress, repeat
 from typing import Protocol
 
 from kvledger.worker.wire.events import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     BlockUpdated,

@@ -18,9 +18,9 @@ def main() -> int:
     import kvledger.coordinator  # noqa: F401  (before ray: loopback-only Ray)
     from kvledger.coordinator.cluster import Cluster
     from kvledger.coordinator.config import ClusterConfig
-    from kvledger.coordinator.migration import Migrator
     from kvledger.coordinator.ray_env import ray_env_vars
     from kvledger.worker.ledger import CacheConfig
+    from kvledger.worker.wire.request import Request
 
     ray_env_vars()
     node_args = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
@@ -39,12 +39,14 @@ def main() -> int:
         nodes = [ray.get(a.node_id.remote(), timeout=30) for a in c.actors]
         strategy = ray.util.placement_group_table(c.placement)["strategy"]
         p = list(range(30, 30 + 13))
-        (scratch,) = c.serve([{"request_id": 1, "tokens": p}], rank=0)
-        m = Migrator(c).migrate(p, 0, 1)
-        (moved,) = c.serve([{"request_id": 2, "tokens": p}], rank=1)
-        same = bool(torch.allclose(scratch["last_logits"], moved["last_logits"], atol=1e-4))
+        (scratch,) = c.client(0).serve([Request(1, p)], logits=True).outcomes
+        m = c.migrator.migrate(p, 0, 1)
+        (moved,) = c.client(1).serve([Request(2, p)], logits=True).outcomes
+        same = bool(torch.allclose(torch.tensor(scratch.last_logits), torch.tensor(moved.last_logits), atol=1e-4))
+        code = [ray.get(a.code_path.remote(), timeout=30) for a in c.actors]
         out = {"nodes": nodes, "alive_nodes": len([n for n in ray.nodes() if n["Alive"]]), "strategy": strategy,
-               "sent_blocks": m.sent_blocks, "cached_on_target": moved["cached_tokens"], "same_logits": same,
+               "sent_blocks": m.sent_blocks, "cached_on_target": moved.cached_tokens, "same_logits": same,
+               "code_paths": code,
                "block_counts": list(c.block_counts)}
         c.shutdown()
         ray.shutdown()

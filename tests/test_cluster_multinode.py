@@ -22,3 +22,6 @@ def test_ranks_spread_over_nodes_and_migrate_between_them():
     assert len(set(out["nodes"])) == 2, "the two ranks sit on different nodes"
     assert out["sent_blocks"] == 3 and out["cached_on_target"] == 12 and out["same_logits"]
     assert out["block_counts"] == [32, 0]
+    here = str(HERE.parent / "worker")
+    assert all(path != here and "runtime_resources" in path for path in out["code_paths"]), \
+        f"the ranks imported kvledger from {out['code_paths']}, not from the package shipped to their node"

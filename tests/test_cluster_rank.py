@@ -7,8 +7,10 @@ from ledger_helpers import make_manager, make_request, serve
 
 from kvledger.worker.ledger import CacheConfig, OutOfBlocksError
 from kvledger.worker.ledger.block import SECONDARY
-from kvledger.worker.rank.worker import RankWorker, request_from_dict
-from kvledger.worker.wire.events import BlockStored, decode_batch
+from kvledger.worker.rank.transfer import contiguous_view
+from kvledger.worker.rank.worker import RankWorker
+from kvledger.worker.wire.request import Request
+from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
 
 T = 4
 
@@ -32,42 +34,45 @@ def test_budget_gives_block_counts_and_ledger_is_built_with_them():
     assert w.manager.num_primary == 10
 
 
-def test_serve_plain_dicts_reuses_prefix_and_reports_load():
+def test_serve_reuses_prefix_and_reports_load_in_one_answer():
     w = make_rank()
     prompt = list(range(10, 23))
-    first = w.serve([{"request_id": 1, "tokens": prompt, "max_new_tokens": 3}], logits="list")
-    second = w.serve([{"request_id": 2, "tokens": prompt, "max_new_tokens": 3}])
-    assert first[0]["cached_tokens"] == 0 and second[0]["cached_tokens"] == 12
-    assert first[0]["output_tokens"] == second[0]["output_tokens"]
-    assert torch.allclose(torch.tensor(first[0]["last_logits"]), second[0]["last_logits"], atol=1e-4)
+    (first,) = w.serve([Request(1, prompt, 3)], logits=True).outcomes
+    (second,) = w.serve([Request(2, prompt, 3)], logits=True).outcomes
+    assert first.cached_tokens == 0 and second.cached_tokens == 12 and second.rank == 0
+    assert first.output_tokens == second.output_tokens
+    assert torch.allclose(torch.tensor(first.last_logits), torch.tensor(second.last_logits), atol=1e-4)
+    assert w.serve([Request(3, prompt, 1)]).outcomes[0].last_logits is None, "logits only when asked"
     assert w.probe(prompt) == 12
     load = w.load()
-    assert load["ready"] and load["served_requests"] == 2 and load["queued_prefill_tokens"] == 0
-    assert load["device_blocks_used"] == 0 and load["device_blocks_free"] == 32
-    assert w.stats()["reused_blocks"] == 3
+    assert load.ready and load.served_requests == 3 and load.queued_prefill_tokens == 0
+    assert load.device_blocks_used == 0 and load.device_blocks_free == 32 and load.cache_hit_rate > 0
+    assert w.manager.stats().reused_blocks == 6
     b = w.poll_events()
     assert b.seq == 0 and any(isinstance(e, BlockStored) for e in decode_batch(b.data).events)
     assert len(w.snapshot()) == 3  # 13 prompt + 2 decoded tokens written: 3 full blocks
     w.check_integrity()
 
 
-def test_text_prompt_and_bad_request_dicts():
-    assert request_from_dict({"request_id": 3, "prompt": "hi"}).tokens == [104, 105]
-    for bad, msg in [({"request_id": 1}, "exactly one"), ({"tokens": [1]}, "request_id"),
-                     ({"request_id": 1, "tokens": [1], "colour": 2}, "unknown keys")]:
-        with pytest.raises(ValueError, match=msg):
-            request_from_dict(bad)
-    with pytest.raises(TypeError):
-        request_from_dict([1, 2])
+def test_serve_takes_typed_requests_and_refuses_anything_else_unchanged():
+    w = make_rank()
+    before = w.load()
+    for bad in ({"request_id": 1, "tokens": [1, 2]}, [1, 2], "prompt"):
+        with pytest.raises(TypeError, match="Request"):
+            w.serve([bad])
+    with pytest.raises(ValueError, match="vocabulary"):
+        w.serve([Request(1, [1, 2, 600])])
+    assert w.load() == before
+    assert [type(e) for e in decode_batch(w.poll_events().data).events] == [KVCacheCreated], "no event but creation"
 
 
 def test_unbuilt_ledger_is_a_clear_error():
     cfg = CacheConfig(tokens_per_block=T, num_layers=1, num_kv_heads=1, head_dim=4, device="cpu",
                       num_primary_blocks=8)
     w = RankWorker(0, 2, cfg)
-    assert w.load() == {**w.load(), "ready": False}
+    assert not w.load().ready and not w.info().ready
     with pytest.raises(RuntimeError, match="not built"):
-        w.serve([{"request_id": 1, "tokens": [1, 2]}])
+        w.serve([Request(1, [1, 2])])
     with pytest.raises(ValueError):
         RankWorker(2, 2, cfg)
 
@@ -75,15 +80,15 @@ def test_unbuilt_ledger_is_a_clear_error():
 def test_export_pins_and_import_allocates_only_missing_blocks():
     src, dst = make_rank(), make_rank()
     prompt = list(range(50, 50 + 4 * T + 1))
-    src.serve([{"request_id": 1, "tokens": prompt}])
-    dst.serve([{"request_id": 1, "tokens": prompt[:2 * T + 1]}])  # dst holds the first 2 blocks already
-    pin, matched = src.export_begin(prompt)
-    assert matched == 4 and src.load()["device_blocks_used"] == 4
-    imp, count = dst.import_begin(prompt, matched)
-    assert count == 2, "the two blocks dst holds are shared, not received"
-    dst.import_abort(imp)
-    src.export_end(pin)
-    assert src.load()["device_blocks_used"] == 0 and dst.load()["device_blocks_used"] == 0
+    src.serve([Request(1, prompt)])
+    dst.serve([Request(1, prompt[:2 * T + 1])])  # dst holds the first 2 blocks already
+    export = src.export_begin(prompt)
+    assert export.blocks == 4 and src.load().device_blocks_used == 4
+    target = dst.import_begin(prompt, export.blocks)
+    assert target.blocks == 2, "the two blocks dst holds are shared, not received"
+    dst.import_abort(target.import_id)
+    src.export_end(export.pin_id)
+    assert src.load().device_blocks_used == 0 and dst.load().device_blocks_used == 0
     assert dst.probe(prompt) == 2 * T, "an aborted import stores nothing"
     src.check_integrity()
     dst.check_integrity()
@@ -123,9 +128,8 @@ def test_pin_prefix_out_of_blocks_changes_nothing():
 
 
 def test_contiguous_view_only_for_one_ascending_run():
-    from kvledger.worker.rank.worker import _contiguous_view
     pool = torch.arange(10.0).reshape(10, 1)
-    view = _contiguous_view(pool, [3, 4, 5])
+    view = contiguous_view(pool, [3, 4, 5])
     assert view is not None and view.data_ptr() == pool[3].data_ptr() and view.is_contiguous()
-    assert _contiguous_view(pool, [3, 5]) is None and _contiguous_view(pool, [4, 3]) is None
-    assert _contiguous_view(pool, []) is None
+    assert contiguous_view(pool, [3, 5]) is None and contiguous_view(pool, [4, 3]) is None
+    assert contiguous_view(pool, []) is None

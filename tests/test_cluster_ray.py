@@ -9,9 +9,10 @@ import torch
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.coordinator.migration import Migrator
 from kvledger.worker.ledger import CacheConfig, block_hashes
 from kvledger.worker.wire.events import BlockStored, decode_batch
+from kvledger.worker.wire.messages import ServeOutcome
+from kvledger.worker.wire.request import Request
 
 T = 4
 BLOCK_BYTES = 2 * 2 * T * 2 * 8 * 4  # layers * K|V * tokens * heads * head_dim * float32
@@ -40,6 +41,15 @@ def get(ray, ref):
     return ray.get(ref, timeout=TIMEOUT)
 
 
+def serve(cluster: Cluster, rank: int, *requests: Request) -> list[ServeOutcome]:
+    """Serve on one rank through its typed client, with the logits the oracle compares."""
+    return cluster.client(rank).serve(list(requests), logits=True).outcomes
+
+
+def same_logits(a: ServeOutcome, b: ServeOutcome) -> bool:
+    return torch.allclose(torch.tensor(a.last_logits), torch.tensor(b.last_logits), atol=1e-4, rtol=1e-4)
+
+
 def test_ranks_agree_on_the_smallest_budget(cluster):
     assert cluster.block_counts == (48, 8)
     st = cluster.status()
@@ -61,48 +71,46 @@ def test_actors_are_named_and_placed_in_one_placement_group(cluster, ray_session
 
 def test_serve_and_exact_probe(cluster):
     p = prompt(4 * T + 2, seed=1)
-    (res,) = cluster.serve([{"request_id": 11, "tokens": p, "max_new_tokens": 2}], rank=1, logits="list")
-    assert res["rank"] == 1 and res["cached_tokens"] == 0 and len(res["output_tokens"]) == 2
-    assert len(res["last_logits"]) == 512
+    (res,) = serve(cluster, 1, Request(11, p, 2))
+    assert res.rank == 1 and res.cached_tokens == 0 and len(res.output_tokens) == 2
+    assert len(res.last_logits) == 512
     assert cluster.probe(p) == [0, 4 * T, 0]
-    best, matched = cluster.best_rank(p)
-    assert best == 1 and matched[1] == 4 * T
 
 
 def test_migrated_blocks_give_the_logits_computed_from_scratch(cluster, ray_session):
     p = prompt(6 * T + 3, seed=2)
-    (scratch,) = cluster.serve([{"request_id": 21, "tokens": p, "max_new_tokens": 4}], rank=0)
-    assert scratch["cached_tokens"] == 0
+    (scratch,) = serve(cluster, 0, Request(21, p, 4))
+    assert scratch.cached_tokens == 0
     for _ in range(100):  # drain what rank 2 published before the migration
         if get(ray_session, cluster.actors[2].poll_events.remote()) is None:
             break
-    m = Migrator(cluster).migrate(p, src=0, dst=2)
+    m = cluster.migrator.migrate(p, src=0, dst=2)
     assert (m.matched_blocks, m.sent_blocks, m.bytes) == (6, 6, 6 * BLOCK_BYTES)
     assert cluster.probe(p)[2] == 6 * T
     batch = get(ray_session, cluster.actors[2].poll_events.remote())
     stored = [h for e in decode_batch(batch.data).events if isinstance(e, BlockStored) for h in e.block_hashes]
     assert stored == block_hashes(p[:6 * T], T), "migrated blocks are stored and announced on the target"
-    (migrated,) = cluster.serve([{"request_id": 22, "tokens": p, "max_new_tokens": 4}], rank=2)
-    assert migrated["cached_tokens"] == 6 * T and migrated["computed_tokens"] == 3
-    assert torch.allclose(migrated["last_logits"], scratch["last_logits"], atol=1e-4, rtol=1e-4)
-    assert migrated["output_tokens"] == scratch["output_tokens"]
+    (migrated,) = serve(cluster, 2, Request(22, p, 4))
+    assert migrated.cached_tokens == 6 * T and migrated.computed_tokens == 3
+    assert same_logits(migrated, scratch)
+    assert migrated.output_tokens == scratch.output_tokens
     for a in cluster.actors:
         get(ray_session, a.check_integrity.remote())
 
 
 def test_migration_sends_only_what_the_target_lacks(cluster):
     p = prompt(5 * T + 1, seed=3)
-    cluster.serve([{"request_id": 31, "tokens": p}], rank=2)
-    cluster.serve([{"request_id": 32, "tokens": p[:2 * T + 1]}], rank=1)
-    m = Migrator(cluster).migrate(p, src=2, dst=1)
+    serve(cluster, 2, Request(31, p))
+    serve(cluster, 1, Request(32, p[:2 * T + 1]))
+    m = cluster.migrator.migrate(p, src=2, dst=1)
     assert (m.matched_blocks, m.sent_blocks) == (5, 3)
-    assert Migrator(cluster).migrate(p, src=2, dst=1).sent_blocks == 0, "a second migration has nothing to send"
+    assert cluster.migrator.migrate(p, src=2, dst=1).sent_blocks == 0, "a second migration has nothing to send"
     assert cluster.probe(p)[1] == 5 * T
     assert cluster.status()["ranks"][1]["device_blocks_used"] == 0, "the import released its blocks"
 
 
 def test_bad_migrations_change_nothing(cluster):
-    mig = Migrator(cluster)
+    mig = cluster.migrator
     with pytest.raises(ValueError, match="two different ranks"):
         mig.migrate([1, 2, 3], src=0, dst=0)
     with pytest.raises(ValueError):
@@ -116,27 +124,26 @@ def test_a_rank_blocked_in_a_receive_still_serves(cluster, ray_session):
     ray = ray_session
     src, dst = cluster.actors[0], cluster.actors[1]
     p = prompt(3 * T + 1, seed=5)
-    cluster.serve([{"request_id": 41, "tokens": p}], rank=0)
-    pin, matched = get(ray, src.export_begin.remote(p))
-    imp, count = get(ray, dst.import_begin.remote(p, matched))
-    recv = dst.import_recv.remote(imp, 0)
+    serve(cluster, 0, Request(41, p))
+    export = get(ray, src.export_begin.remote(p))
+    target = get(ray, dst.import_begin.remote(p, export.blocks))
+    recv = dst.import_recv.remote(target.import_id, 0)
     ready, _ = ray.wait([recv], timeout=0.5)
     assert not ready, "nothing was sent yet"
     # While rank 1 waits in recv, it answers probes, reports load and serves.
-    assert get(ray, dst.load.remote())["ready"]
+    assert get(ray, dst.load.remote()).ready
     other = prompt(2 * T + 1, seed=6)
-    (res,) = get(ray, dst.serve.remote([{"request_id": 42, "tokens": other}]))
-    assert res["computed_tokens"] == len(other)
-    assert get(ray, src.export_send.remote(pin, matched - count, 1)) == count * BLOCK_BYTES
-    assert get(ray, recv) == count == 3
+    (res,) = get(ray, dst.serve.remote([Request(42, other)])).outcomes
+    assert res.computed_tokens == len(other)
+    assert get(ray, src.export_send.remote(export.pin_id, export.blocks - target.blocks, 1)) == target.blocks * BLOCK_BYTES
+    assert get(ray, recv) == target.blocks == 3
     assert cluster.probe(p)[1] == 3 * T
 
 
 def test_concurrent_migrations_on_one_pair_do_not_interleave(cluster):
-    mig = Migrator(cluster)
+    mig = cluster.migrator
     prompts = [prompt(k * T + 1, seed=50 + k) for k in (2, 3, 4, 5)]
-    scratch = cluster.serve([{"request_id": 60 + i, "tokens": p, "max_new_tokens": 1} for i, p in
-                             enumerate(prompts)], rank=2)
+    scratch = serve(cluster, 2, *[Request(60 + i, p, 1) for i, p in enumerate(prompts)])
     results: list = [None] * len(prompts)
 
     def move(i: int) -> None:
@@ -149,25 +156,23 @@ def test_concurrent_migrations_on_one_pair_do_not_interleave(cluster):
     for t in threads:
         t.join(timeout=TIMEOUT)
     assert [r.sent_blocks for r in results] == [2, 3, 4, 5]
-    served = cluster.serve([{"request_id": 70 + i, "tokens": p, "max_new_tokens": 1} for i, p in
-                            enumerate(prompts)], rank=0)
+    served = serve(cluster, 0, *[Request(70 + i, p, 1) for i, p in enumerate(prompts)])
     for p, s, m in zip(prompts, scratch, served):
-        assert m["cached_tokens"] == len(p) - 1
-        assert torch.allclose(m["last_logits"], s["last_logits"], atol=1e-4, rtol=1e-4)
+        assert m.cached_tokens == len(p) - 1
+        assert same_logits(m, s)
 
 
 def test_scattered_source_blocks_are_gathered_into_one_message(cluster, ray_session):
     # Two requests decoding together get interleaved decode blocks: a prefix running through them is not one run.
     a, b = prompt(2 * T + 1, seed=80), prompt(2 * T + 1, seed=81)
-    res = cluster.serve([{"request_id": 81, "tokens": a, "max_new_tokens": 3 * T},
-                         {"request_id": 82, "tokens": b, "max_new_tokens": 3 * T}], rank=0)
-    longer = a + res[0]["output_tokens"][:2 * T] + [7]  # 4 full blocks: 2 prompt + 2 decode blocks
+    res = serve(cluster, 0, Request(81, a, 3 * T), Request(82, b, 3 * T))
+    longer = a + res[0].output_tokens[:2 * T] + [7]  # 4 full blocks: 2 prompt + 2 decode blocks
     assert cluster.probe(longer)[0] == 4 * T
-    before = get(ray_session, cluster.actors[0].stats.remote())["transfers"]["sent_gathered"]
-    m = Migrator(cluster).migrate(longer, src=0, dst=1)
+    before = cluster.clients[0].info().transfers["sent_gathered"]
+    m = cluster.migrator.migrate(longer, src=0, dst=1)
     assert m.sent_blocks == 4
-    assert get(ray_session, cluster.actors[0].stats.remote())["transfers"]["sent_gathered"] == before + 1
-    (scratch,) = cluster.serve([{"request_id": 83, "tokens": longer}], rank=2)
-    (moved,) = cluster.serve([{"request_id": 84, "tokens": longer}], rank=1)
-    assert scratch["cached_tokens"] == 0 and moved["cached_tokens"] == 4 * T
-    assert torch.allclose(moved["last_logits"], scratch["last_logits"], atol=1e-4, rtol=1e-4)
+    assert cluster.clients[0].info().transfers["sent_gathered"] == before + 1
+    (scratch,) = serve(cluster, 2, Request(83, longer))
+    (moved,) = serve(cluster, 1, Request(84, longer))
+    assert scratch.cached_tokens == 0 and moved.cached_tokens == 4 * T
+    assert same_logits(moved, scratch)

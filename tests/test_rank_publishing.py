@@ -11,7 +11,10 @@ from kvledger.router.index import ApplyStatus, PrefixIndex
 from kvledger.router.probe import probe
 from kvledger.worker.ledger import CacheConfig
 from kvledger.worker.wire.batches import PublishedBatch
-from kvledger.worker.rank.worker import RankNotReadyError, RankWorker
+from kvledger.worker.rank.worker import RankWorker
+from kvledger.worker.wire.errors import RankNotReadyError
+from kvledger.worker.wire.messages import ServeOutcome
+from kvledger.worker.wire.request import Request
 from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
 
 T = 4
@@ -25,8 +28,8 @@ def make_rank(rank: int = 0, world: int = 1, replay_size: int = 1024) -> RankWor
     return w
 
 
-def serve(w: RankWorker, rid: int, tokens: list[int], new: int = 0) -> dict:
-    return w.serve([{"request_id": rid, "tokens": tokens, "max_new_tokens": new}], logits="none")[0]
+def serve(w: RankWorker, rid: int, tokens: list[int], new: int = 0) -> ServeOutcome:
+    return w.serve([Request(rid, tokens, new)]).outcomes[0]
 
 
 def test_polls_replays_and_snapshots_share_one_numbering():
@@ -56,7 +59,7 @@ def test_a_rank_without_a_ledger_says_so():
     for call in (w.poll_events, w.event_snapshot, lambda: w.replay_events(0)):
         with pytest.raises(RankNotReadyError):
             call()
-    assert w.load()["ready"] is False
+    assert w.load().ready is False
 
 
 def test_the_publisher_thread_pushes_every_batch_in_order():
@@ -87,29 +90,32 @@ def test_blocks_move_between_ranks_of_one_process():
     a, b = make_rank(0, 2), make_rank(1, 2)
     tokens = list(range(60, 81))
     serve(a, 1, tokens)
-    pin, matched = a.export_begin(tokens)
-    imp, count = b.import_begin(tokens, matched)
-    assert matched == count == 5
-    assert b.import_write(imp, a.export_read(pin, matched - count)) == 5
-    assert b.probe(tokens) == 20 and serve(b, 2, tokens)["cached_tokens"] == 20
+    export = a.export_begin(tokens)
+    target = b.import_begin(tokens, export.blocks)
+    assert export.blocks == target.blocks == 5
+    assert b.import_write(target.import_id, a.export_read(export.pin_id, export.blocks - target.blocks)) == 5
+    assert b.probe(tokens) == 20 and serve(b, 2, tokens).cached_tokens == 20
     a.check_integrity()
     b.check_integrity()
-    pin, matched = a.export_begin(tokens)
-    imp, count = b.import_begin(list(range(90, 111)), matched)
+    export = a.export_begin(tokens)
+    target = b.import_begin(list(range(90, 111)), export.blocks)
     with pytest.raises(ValueError, match="shape"):
-        b.import_write(imp, torch.zeros(1))
-    a.export_end(pin)
+        b.import_write(target.import_id, torch.zeros(1))
+    a.export_end(export.pin_id)
     b.check_integrity()
     a.check_integrity()
 
 
-def test_serve_published_returns_the_batch_its_own_serve_caused():
+def test_a_published_serve_returns_the_batch_its_own_serve_caused():
     w = make_rank()
     assert w.poll_events().seq == 0                         # KVCacheCreated
-    (res,), batch = w.serve_published([{"request_id": 1, "tokens": list(range(5, 18)), "max_new_tokens": 2}])
-    assert res["cached_tokens"] == 0 and len(res["output_tokens"]) == 2 and "last_logits" not in res
+    reply = w.serve([Request(1, list(range(5, 18)), 2)], publish=True)
+    (res,), batch = reply.outcomes, reply.events
+    assert res.cached_tokens == 0 and len(res.output_tokens) == 2 and res.last_logits is None
     assert batch.seq == 1 and [type(e) for e in decode_batch(batch.data).events] == [BlockStored]
     assert w.poll_events() is None, "nothing left for the publisher thread"
-    (res,), batch = w.serve_published([{"request_id": 2, "tokens": list(range(5, 17)), "max_new_tokens": 0}])
-    assert res["cached_tokens"] == 11                       # all but the last token, the last block in place
-    assert batch.seq == 2 and w.poll_events() is None
+    reply = w.serve([Request(2, list(range(5, 17)), 0)], publish=True)
+    assert reply.outcomes[0].cached_tokens == 11            # all but the last token, the last block in place
+    assert reply.events.seq == 2 and w.poll_events() is None
+    assert w.serve([Request(3, list(range(40, 60)))]).events is None, "unasked, the events wait for a poll"
+    assert w.poll_events().seq == 3

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvledger.router.http import HttpServer, make_app
-from kvledger.router.local_backend import LocalBackend
+from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
 from kvledger.router.service import RouterService
 from kvledger.worker.engine.tokenizer import decode, encode
@@ -25,9 +25,9 @@ PREFIX = "The quick brown fox jumps over the lazy dog. "   # 45 bytes: 11 full b
 def router():
     cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=96, num_secondary_blocks=16)
-    backend = LocalBackend.build(2, cfg)
+    backend = LocalCluster.build(2, cfg)
     service = RouterService(backend, RouterConfig(tokens_per_block=T))
-    service.sync_ranks()
+    service.feed.sync()
     server = HttpServer(make_app(service), port=0).start()
     with httpx.Client(base_url=server.url, timeout=20.0) as client:
         yield service, backend, client
@@ -94,11 +94,11 @@ def test_route_and_probe_agree_with_the_ranks(router):
 ])
 def test_bad_requests_get_4xx_with_the_reason_and_change_nothing(router, body, status, needle):
     service, _, client = router
-    before = service.cluster(refresh=False)
+    before = service.report(refresh=False).to_dict()
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     assert needle in r.text
-    after = service.cluster(refresh=False)
+    after = service.report(refresh=False).to_dict()
     assert after["router"] == before["router"]
     assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
                        ).status_code == 422
@@ -107,7 +107,7 @@ def test_bad_requests_get_4xx_with_the_reason_and_change_nothing(router, body, s
 
 def test_events_stream_as_ndjson_and_follow_live(router):
     service, _, client = router
-    _, nxt = service.events(0, limit=10**6)
+    _, nxt = service.feed.events(0, limit=10**6)
     lines: list[dict] = []
 
     def read() -> None:
@@ -157,19 +157,19 @@ def test_a_real_vllm_engines_events_show_in_probes_but_never_get_requests():
     """A publisher written to vLLM's ZMQ framing (tests/test_router_vllm_events.py), indexed under its own rank."""
     from test_router_vllm_events import FakeVllmPublisher, vllm_stored
 
-    from kvledger.router.service import FOREIGN_RANK_BASE
+    from kvledger.router.feed import FOREIGN_RANK_BASE
 
     cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=32)
-    service = RouterService(LocalBackend.build(1, cfg), RouterConfig(tokens_per_block=T))
-    service.sync_ranks()
+    service = RouterService(LocalCluster.build(1, cfg), RouterConfig(tokens_per_block=T))
+    service.feed.sync()
     engine = FakeVllmPublisher()
     server = HttpServer(make_app(service), port=0).start()
     try:
-        rank = service.attach_vllm(f"tcp://127.0.0.1:{engine.pub_port}", f"tcp://127.0.0.1:{engine.replay_port}")
+        rank = service.feed.attach_vllm(f"tcp://127.0.0.1:{engine.pub_port}", f"tcp://127.0.0.1:{engine.replay_port}")
         assert rank == FOREIGN_RANK_BASE
         with pytest.raises(ValueError, match="already"):
-            service.attach_vllm(f"tcp://127.0.0.1:{engine.pub_port}")
+            service.feed.attach_vllm(f"tcp://127.0.0.1:{engine.pub_port}")
         engine.wait_subscribed()
         tokens = encode("vLLM holds this prefix, its own way.")      # 36 tokens: 8 full blocks before the last
         engine.publish([vllm_stored([9001, 9002], None, tokens[:8])])

@@ -15,6 +15,7 @@ from kvledger.coordinator.config import ClusterConfig
 from kvledger.coordinator.router_actor import RouterActorConfig, start_router
 from kvledger.launch.cli import main as cli
 from kvledger.worker.engine.tokenizer import encode
+from kvledger.worker.wire.request import Request
 from kvledger.worker.ledger import CacheConfig
 
 T = 8
@@ -73,8 +74,8 @@ def test_ranks_push_events_that_stream_to_monitors(routed):
     cluster, _, client = routed
     # served on a rank directly, not through the router: only the rank's publisher thread can tell the router
     text = "Pushed, not flushed: the publisher thread carries these blocks."
-    (res,) = cluster.serve([{"request_id": 777, "prompt": text, "max_new_tokens": 1}], rank=1, logits="none")
-    assert res["cached_tokens"] == 0
+    (res,) = cluster.client(1).serve([Request(777, encode(text), 1)]).outcomes
+    assert res.cached_tokens == 0
     wait_for(lambda: client.post("/v1/probe", json={"prompt": text}).json()["ranks"][1]["matched_tokens"] > 0,
              "the pushed batch to reach the index")
     r = client.get("/v1/events", params={"since": 0, "rank": 1, "timeout": 1.0})

@@ -14,24 +14,25 @@ import pytest
 import torch
 
 from kvledger.router.index import ApplyStatus
-from kvledger.router.local_backend import LocalBackend
+from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.policies import NoLiveRankError, make_policy
 from kvledger.router.config import RouterConfig
 from kvledger.router.service import RouterService
 from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.wire.request import Request
 
 T = 4
 
 
-def make_backend(ranks: int = 2, primary: int = 48, secondary: int = 16, replay_size: int = 1024) -> LocalBackend:
+def make_backend(ranks: int = 2, primary: int = 48, secondary: int = 16, replay_size: int = 1024) -> LocalCluster:
     cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=primary, num_secondary_blocks=secondary)
-    return LocalBackend.build(ranks, cfg, replay_size=replay_size)
+    return LocalCluster.build(ranks, cfg, replay_size=replay_size)
 
 
-def make_service(backend: LocalBackend, policy: str = "kv", **kw) -> RouterService:
+def make_service(backend: LocalCluster, policy: str = "kv", **kw) -> RouterService:
     svc = RouterService(backend, RouterConfig(tokens_per_block=T, policy=policy, **kw))
-    svc.sync_ranks()
+    svc.feed.sync()
     return svc
 
 
@@ -53,11 +54,11 @@ def test_shared_prefix_goes_where_it_is_cached_and_reuses_it():
     assert second.prompt_tokens == 34 and len(second.output_tokens) == 4
     again = svc.complete(prefix + [40, 41, 42], max_tokens=4)
     assert again.output_tokens == first.output_tokens, "reused KV gives the same greedy tokens"
-    summary = svc.cluster()
-    assert summary["router"]["completions"] == 3 and summary["router"]["cached_tokens"] > 0
-    busy = next(r for r in summary["ranks"] if r["rank"] == first.rank)
-    assert busy["completions"] == 3 and busy["index_blocks"] > 0 and busy["events_total"] > 0
-    assert busy["blocks"]["GPU"]["free"] == 48 and busy["cache_hit_rate"] > 0
+    summary = svc.report()
+    assert summary.router.completions == 3 and summary.router.cached_tokens > 0
+    busy = next(r for r in summary.ranks if r.rank == first.rank)
+    assert busy.completions == 3 and busy.index_blocks > 0 and busy.events_total > 0
+    assert busy.blocks["GPU"].free == 48 and busy.cache_hit_rate > 0
 
 
 def test_index_equals_the_ledgers_after_a_mixed_workload():
@@ -74,12 +75,12 @@ def test_index_equals_the_ledgers_after_a_mixed_workload():
         prompts.append((p, kw))
         if i % 9 == 4:   # a rank serving outside the router: its events arrive by the push path, out of order
             w = backend.worker(i % 3)
-            w.serve([{"request_id": 10_000 + i, "tokens": p[::-1], "max_new_tokens": 2}], logits="none")
+            w.serve([Request(10_000 + i, p[::-1], 2)])
             a = w.poll_events()
-            w.serve([{"request_id": 20_000 + i, "tokens": p[::-1] + [9] * 8, "max_new_tokens": 1}], logits="none")
+            w.serve([Request(20_000 + i, p[::-1] + [9] * 8, 1)])
             b = w.poll_events()
-            assert svc.ingest(w.rank, b.seq, b.data).status is ApplyStatus.APPLIED   # caught up by replay
-            assert svc.ingest(w.rank, a.seq, a.data).status is ApplyStatus.DUPLICATE
+            assert svc.feed.ingest(w.rank, b.seq, b.data).status is ApplyStatus.APPLIED   # caught up by replay
+            assert svc.feed.ingest(w.rank, a.seq, a.data).status is ApplyStatus.DUPLICATE
             prompts.append((p[::-1], {}))
     stats = [backend.worker(r).manager.stats() for r in range(3)]
     assert sum(s.offloaded_blocks for s in stats) > 0, "the workload must push blocks to the host tier"
@@ -98,15 +99,15 @@ def test_a_router_that_starts_late_rebuilds_from_snapshots_and_replays():
         early.complete(p, max_tokens=2)
     late = RouterService(backend, RouterConfig(tokens_per_block=T))
     assert late.probe(prompts[0])[0].matched_tokens == 0   # has heard nothing yet
-    late.sync_ranks()
+    late.feed.sync()
     assert_index_agrees(late, prompts)
     # a rank's batch number far ahead of the (gone) replay buffer: snapshot again
     w = backend.worker(0)
     for i in range(4):
-        w.serve([{"request_id": 500 + i, "tokens": [200 + i] * 9, "max_new_tokens": 0}], logits="none")
+        w.serve([Request(500 + i, [200 + i] * 9, 0)])
         batch = w.poll_events()
     fresh = RouterService(backend, RouterConfig(tokens_per_block=T))
-    res = fresh.ingest(0, batch.seq, batch.data)
+    res = fresh.feed.ingest(0, batch.seq, batch.data)
     assert res.status is ApplyStatus.SNAPSHOT and res.next_seq == batch.seq + 1
     assert fresh.probe([203] * 9)[0].matched_tokens == 8
 
@@ -121,12 +122,12 @@ def test_a_rank_that_dies_is_dropped_at_once_and_its_request_served_elsewhere():
     out = svc.complete(prefix + [2], max_tokens=2)
     assert out.rank != home and out.retries == 1 and len(out.output_tokens) == 2
     assert svc.index.num_blocks(home) == 0 and home not in svc.index.ranks()
-    assert home not in [r["rank"] for r in svc.cluster()["ranks"]]
+    assert home not in [r.rank for r in svc.report().ranks]
     assert svc.probe(prefix + [3])[out.rank].matched_tokens == 40
-    assert [e.event["type"] for e in svc.events(0, rank=home)[0]][-1] == "RankRemoved"
+    assert [e.event["type"] for e in svc.feed.events(0, rank=home)[0]][-1] == "RankRemoved"
     # it comes back restarted, with an empty ledger numbered from 0 again
     backend.restart(home)
-    svc.sync_ranks()
+    svc.feed.sync()
     assert home in svc.index.ranks() and svc.index.num_blocks(home) == 0
     assert_index_agrees(svc, [prefix + [4]])
 
@@ -134,7 +135,7 @@ def test_a_rank_that_dies_is_dropped_at_once_and_its_request_served_elsewhere():
 def test_no_live_rank_and_bad_input_change_nothing():
     backend = make_backend(ranks=1)
     svc = make_service(backend)
-    before = svc.cluster()["router"]
+    before = svc.report().router
     for bad, exc in [([], ValueError), ([1, -2, 3], ValueError), ([1, 512], ValueError), ("text", TypeError)]:
         with pytest.raises(exc):
             svc.complete(bad)
@@ -142,7 +143,7 @@ def test_no_live_rank_and_bad_input_change_nothing():
         svc.complete([1, 2, 3], max_tokens=-1)
     with pytest.raises(ValueError):
         svc.complete([1, 2, 3], priority=101)
-    assert svc.cluster()["router"] == before
+    assert svc.report().router == before
     backend.crash(0)
     with pytest.raises(NoLiveRankError):
         svc.complete([1, 2, 3])
@@ -154,17 +155,17 @@ def test_a_loaded_best_rank_hands_its_prefix_over_by_migration():
     backend = make_backend(ranks=2, primary=200)
     policy = make_policy("kv", migrate_setup_s=0.0, migrate_s_per_block=1e-9)
     svc = RouterService(backend, RouterConfig(tokens_per_block=T), policy=policy)
-    svc.sync_ranks()
+    svc.feed.sync()
     shared = list(range(10, 58))                        # 12 blocks
     home = svc.complete(shared + [1], max_tokens=1).rank
     other = 1 - home
-    backend.worker(other).serve([{"request_id": 900, "tokens": shared[:16] + [1]}], logits="none")
-    svc.flush(other)                                    # the other rank holds the first 4 blocks itself
+    backend.worker(other).serve([Request(900, shared[:16] + [1])])
+    svc.feed.flush(other)                                    # the other rank holds the first 4 blocks itself
     busy = threading.Thread(target=svc.complete, args=(shared + [2] * 8,), kwargs={"max_tokens": 400})
     busy.start()                                       # the same prefix: the kv policy sends it home too
     try:
         deadline = time.monotonic() + 10
-        while svc.cluster(refresh=False)["ranks"][home]["inflight_requests"] == 0:
+        while svc.report(refresh=False).ranks[home].inflight_requests == 0:
             assert time.monotonic() < deadline, "the long request never showed up in flight"
             time.sleep(0.001)
         decision = svc.route(shared + [3], max_tokens=1)
@@ -174,25 +175,25 @@ def test_a_loaded_best_rank_hands_its_prefix_over_by_migration():
     assert decision.rank == other and decision.migrate_from == home and decision.migrate_blocks == 8
     assert out.rank == other and out.migrated_blocks == 8 and out.cached_tokens >= 48
     assert_index_agrees(svc, [shared + [3]])
-    assert svc.cluster()["router"]["migrated_blocks"] == 8
+    assert svc.report().router.migrated_blocks == 8
 
 
 def test_events_are_logged_for_monitors_and_can_be_waited_for():
     svc = make_service(make_backend())
-    recs, nxt = svc.events(0)
+    recs, nxt = svc.feed.events(0)
     assert {r.event["type"] for r in recs} == {"KVCacheCreated", "Snapshot"}
     got: list = []
-    t = threading.Thread(target=lambda: got.append(svc.wait_events(nxt, timeout=5)))
+    t = threading.Thread(target=lambda: got.append(svc.feed.wait_events(nxt, timeout=5)))
     t.start()
     out = svc.complete(list(range(1, 20)), max_tokens=1)
     t.join(timeout=10)
     (recs2, nxt2), = got
     assert recs2 and recs2[0].id == nxt and recs2[0].event["type"] == "BlockStored"
     assert all(r.rank == out.rank for r in recs2)
-    assert svc.events(nxt2)[0] == [] and svc.wait_events(nxt2, timeout=0.05) == ([], nxt2)
-    only_other, _ = svc.events(0, rank=1 - out.rank)
+    assert svc.feed.events(nxt2)[0] == [] and svc.feed.wait_events(nxt2, timeout=0.05) == ([], nxt2)
+    only_other, _ = svc.feed.events(0, rank=1 - out.rank)
     assert {r.rank for r in only_other} == {1 - out.rank}
     d = recs2[0].to_dict()
     assert d["type"] == "BlockStored" and d["rank"] == out.rank and d["block_size"] == T
     with pytest.raises(ValueError):
-        svc.events(-1)
+        svc.feed.events(-1)

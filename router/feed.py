@@ -1,0 +1,264 @@
+"""The router's event feed: every rank's numbered batches into the global index, gaps closed, restarts resynced.
+
+``EventFeed`` owns the ``PrefixIndex`` and the ``EventLog`` monitors read. A
+batch pushed by a rank (``ingest``) is applied if it is the next one; on a gap
+the feed replays the rank from where it lost track, on a restart (or when
+the rank's replay buffer no longer reaches back) it loads the rank's snapshot.
+A rank lost on any call leaves the index at once (``remove_rank``), and the
+owner is told (``on_removed``) so its own account of the rank goes too.
+Foreign engines (real vLLMs) feed the same index through their ZMQ publisher
+(``attach_vllm``), re-hashed by ``ForeignFeed``.
+
+Locks: ``lock`` guards the index, the counters and the foreign engines, and is
+never held across a call to a rank (the event log locks itself). Each rank's
+ingest path has its own lock, held across the replay or snapshot it may fetch,
+so one rank's batches are applied in order while other ranks and probes go on.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvledger.router.event_log import EventLog, EventRecord, event_to_dict
+from kvledger.router.foreign import ForeignFeed
+from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex
+from kvledger.router.probe import PrefixMatch, match_prefix
+from kvledger.router.rank_client import RankDiedError, RankSet
+from kvledger.router.stats import RateMeter
+from kvledger.worker.wire.batches import PublishedBatch, Snapshot
+from kvledger.worker.wire.events import EventBatch, decode_batch
+
+logger = logging.getLogger(__name__)
+
+#: Foreign engines (vLLM) are indexed under ranks from here on, far above any cluster rank.
+FOREIGN_RANK_BASE = 1000
+
+
+@dataclass(slots=True)
+class FeedCounters:
+    """What one rank's feed applied."""
+
+    events: RateMeter
+    batches: int = 0
+
+
+@dataclass(slots=True)
+class _ForeignEngine:
+    endpoint: str
+    subscriber: object
+    """``router.vllm_events.VllmEventSubscriber`` (imported only when an engine is attached: it needs zmq)."""
+    thread: threading.Thread
+
+
+class EventFeed:
+    """See the module docstring."""
+
+    def __init__(self, ranks: RankSet, tokens_per_block: int, log_size: int, rate_window_s: float,
+                 clock: Callable[[], float], on_removed: Callable[[int], None]) -> None:
+        self.ranks = ranks
+        self.index = PrefixIndex(tokens_per_block)
+        self.log = EventLog(log_size)
+        self.lock = threading.Lock()
+        self.ranks_removed = 0
+        self._clock = clock
+        self._rate_window_s = rate_window_s
+        self._on_removed = on_removed
+        self._known: set[int] = set()              # ranks whose feed this router keeps
+        self._counters: dict[int, FeedCounters] = {}
+        self._rank_locks: dict[int, threading.Lock] = {}
+        self._rank_locks_guard = threading.Lock()
+        self._foreign_feed: ForeignFeed | None = None
+        self._foreign: dict[int, _ForeignEngine] = {}
+
+    # ------------------------------------------------------------------ batches in
+
+    def ingest(self, rank: int, seq: int, data: bytes) -> ApplyResult:
+        """Apply batch ``seq`` of ``rank`` (wire bytes); on a gap replay the rank, on a restart snapshot it.
+
+        Malformed bytes raise ``EventDecodeError`` (a ``ValueError``) and change nothing; batches of a rank
+        reported down are dropped (``sync`` snapshots it when it is back).
+        """
+        batch = decode_batch(data)
+        if rank not in self.ranks.live():   # a late push from a rank already dropped: it rejoins by snapshot
+            return ApplyResult(ApplyStatus.SNAPSHOT, 0, f"rank {rank} is down")
+        with self._rank_lock(rank):
+            try:
+                res = self._apply(rank, seq, batch)
+                if res.status is ApplyStatus.REPLAY:
+                    res = self._catch_up(rank, res.next_seq)
+                elif res.status is ApplyStatus.SNAPSHOT:
+                    res = self._resync_locked(rank)
+            except RankDiedError as e:
+                self.lost(e)
+                return ApplyResult(ApplyStatus.SNAPSHOT, 0, str(e))
+        return res
+
+    def resync(self, rank: int) -> ApplyResult:
+        """Rebuild ``rank``'s part of the index from its snapshot (a router starting late, a rank coming back)."""
+        with self._rank_lock(rank):
+            return self._resync_locked(rank)
+
+    def sync(self) -> None:
+        """Match the index to the live ranks: forget the gone, snapshot the new."""
+        live = set(self.ranks.live())
+        with self.lock:
+            known = set(self._known)
+        for r in sorted(known - live):
+            self.remove_rank(r)
+        for r in sorted(live - known):
+            try:
+                self.resync(r)
+            except RankDiedError as e:
+                self.lost(e)
+
+    def flush(self, rank: int) -> None:
+        """Fetch and apply ``rank``'s pending events now (so the index reflects what it just did)."""
+        try:
+            batch = self.ranks.client(rank).poll_events()
+        except RankDiedError as e:
+            self.lost(e)
+            return
+        if batch is not None:
+            self.ingest(rank, batch.seq, batch.data)
+
+    def _rank_lock(self, rank: int) -> threading.Lock:
+        with self._rank_locks_guard:
+            lock = self._rank_locks.get(rank)
+            if lock is None:
+                lock = self._rank_locks[rank] = threading.Lock()
+            return lock
+
+    def _apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+        with self.lock:
+            res = self.index.apply(rank, seq, batch)
+            if res.status is ApplyStatus.APPLIED:
+                self._known.add(rank)
+                c = self._counter(rank)
+                c.batches += 1
+                c.events.add(len(batch.events))
+                self.log.append(rank, seq, batch.ts, [event_to_dict(e) for e in batch.events])
+        return res
+
+    def _catch_up(self, rank: int, from_seq: int) -> ApplyResult:
+        batches = self.ranks.client(rank).replay_events(from_seq)
+        if batches is None:
+            logger.info("rank %d: replay from %d is gone, loading a snapshot", rank, from_seq)
+            return self._resync_locked(rank)
+        res = ApplyResult(ApplyStatus.APPLIED, from_seq)
+        for b in batches:
+            res = self._apply(rank, b.seq, decode_batch(b.data))
+            if res.status in (ApplyStatus.SNAPSHOT, ApplyStatus.REPLAY):
+                return self._resync_locked(rank)
+        return res
+
+    def _resync_locked(self, rank: int) -> ApplyResult:
+        pending, snap = self.ranks.client(rank).event_snapshot()
+        self._load_snapshot(rank, pending, snap)
+        return ApplyResult(ApplyStatus.SNAPSHOT, snap.next_seq, "snapshot loaded")
+
+    def _load_snapshot(self, rank: int, pending: PublishedBatch | None, snap: Snapshot) -> None:
+        pending_events = decode_batch(pending.data) if pending is not None else None
+        with self.lock:
+            self.index.load_snapshot(rank, snap.blocks, snap.next_seq)
+            self._known.add(rank)
+            if pending_events is not None:
+                self._counter(rank).events.add(len(pending_events.events))
+                self.log.append(rank, pending.seq, pending_events.ts,
+                                [event_to_dict(e) for e in pending_events.events])
+            self.log.append(rank, -1, time.time(), [{"type": "Snapshot", "blocks": len(snap.blocks),
+                                                     "next_seq": snap.next_seq}])
+
+    def _counter(self, rank: int) -> FeedCounters:
+        c = self._counters.get(rank)
+        if c is None:
+            c = self._counters[rank] = FeedCounters(RateMeter(self._rate_window_s, self._clock))
+        return c
+
+    # ------------------------------------------------------------------ ranks leaving
+
+    def remove_rank(self, rank: int) -> None:
+        """Forget ``rank`` at once: its blocks leave the index, and the owner forgets its account of it."""
+        with self.lock:
+            known = rank in self._known
+            self._known.discard(rank)
+            self.index.remove_rank(rank)
+            if known:
+                self.ranks_removed += 1
+                self.log.append(rank, -1, time.time(), [{"type": "RankRemoved"}])
+        self._on_removed(rank)
+        if known:
+            logger.warning("rank %d left the router's index", rank)
+
+    def lost(self, err: RankDiedError) -> None:
+        """A call found ``err.rank`` gone: it leaves the index now."""
+        logger.warning("%s", err)
+        self.remove_rank(err.rank)
+
+    # ------------------------------------------------------------------ reading
+
+    def match(self, hashes: Sequence[int]) -> dict[int, PrefixMatch]:
+        """Every rank's longest held prefix of the chain ``hashes`` (ranks holding none are absent)."""
+        with self.lock:
+            return match_prefix(self.index, hashes)
+
+    def counters(self, rank: int) -> tuple[int, float, int]:
+        """``rank``'s events applied (total and per second) and batches applied."""
+        with self.lock:
+            c = self._counter(rank)
+            return c.events.total, c.events.rate(), c.batches
+
+    def events(self, since: int = 0, rank: int | None = None, limit: int = 1000) -> tuple[list[EventRecord], int]:
+        """Logged events from id ``since`` on (see ``EventLog.read``)."""
+        return self.log.read(since, rank, limit)
+
+    def wait_events(self, since: int, rank: int | None = None, limit: int = 1000,
+                    timeout: float = 1.0) -> tuple[list[EventRecord], int]:
+        """Like ``events``, but waits up to ``timeout`` seconds for one to arrive (see ``EventLog.wait``)."""
+        return self.log.wait(since, rank, limit, timeout)
+
+    # ------------------------------------------------------------------ foreign engines
+
+    def attach_vllm(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> int:
+        """Index a real vLLM engine's KV events (its ZMQ publisher) under a rank of its own; returns that rank.
+
+        Probes report how much of a prompt the engine holds; the router never sends it requests.
+        """
+        from kvledger.router.vllm_events import VllmEventSubscriber
+
+        with self.lock:
+            if any(f.endpoint == endpoint for f in self._foreign.values()):
+                raise ValueError(f"vLLM events from {endpoint} are already indexed")
+            if self._foreign_feed is None:
+                self._foreign_feed = ForeignFeed(self.index)
+            rank = FOREIGN_RANK_BASE + len(self._foreign)
+            sub = VllmEventSubscriber(self._foreign_feed, rank, endpoint, replay_endpoint, topic, lock=self.lock)
+            thread = threading.Thread(target=sub.run, name=f"kvledger-vllm-{rank}", daemon=True)
+            self._foreign[rank] = _ForeignEngine(endpoint, sub, thread)
+        thread.start()
+        logger.info("indexing vLLM events from %s as rank %d", endpoint, rank)
+        return rank
+
+    def foreign_engines(self) -> dict[int, str]:
+        """Attached foreign engines: rank -> the endpoint it is named after."""
+        with self.lock:
+            return {r: f.endpoint for r, f in self._foreign.items()}
+
+    def close(self) -> None:
+        """Stop the foreign engines' subscribers."""
+        with self.lock:
+            engines = list(self._foreign.values())
+        for f in engines:
+            f.subscriber.stop()
+            f.thread.join(timeout=5)
+            f.subscriber.close()
+
+
+def parse_vllm_endpoint(spec: str) -> tuple[str, str | None]:
+    """``tcp://host:port`` or ``tcp://host:port,tcp://host:replay_port`` -> (publisher, replay or None)."""
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) > 2 or not all(p.startswith(("tcp://", "ipc://")) for p in parts):
+        raise ValueError(f"a vLLM events endpoint is tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT], got {spec!r}")
+    return parts[0], parts[1] if len(parts) == 2 else None

@@ -1,0 +1,92 @@
+"""The router's summary of the cluster as typed data: what ``/v1/cluster``, ``/metrics`` and ``monitor`` show.
+
+``RouterService.report()`` fills a ``ClusterReport``; the HTTP API sends
+``to_dict()`` as JSON, the Prometheus collector reads its fields, and
+``kvledger monitor`` reads the JSON back with ``from_dict`` and then by field,
+so a field renamed here is renamed for every reader at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TierBlocks:
+    used: int
+    free: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """One live rank: its blocks and hit rate (from its last load report), its events, what was routed to it."""
+
+    rank: int
+    alive: bool
+    blocks: dict[str, TierBlocks] | None
+    """Per tier (``GPU``, ``CPU``); ``None`` before the rank's first load report."""
+    cache_hit_rate: float | None
+    index_blocks: int
+    """Distinct block hashes the router's index holds for the rank."""
+    next_seq: int
+    """The event batch number the router expects next from the rank."""
+    events_total: int
+    events_per_s: float
+    batches: int
+    decisions: int
+    completions: int
+    prompt_tokens: int
+    cached_tokens: int
+    inflight_requests: int
+    queued_prefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignReport:
+    """A foreign engine (a real vLLM) whose events the router indexes under a rank of its own."""
+
+    rank: int
+    endpoint: str
+    index_blocks: int
+    next_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouterTotals:
+    completions: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    """Cached / prompt tokens over the router's completions."""
+    migrations: int
+    migrated_blocks: int
+    retries: int
+    ranks_removed: int
+    index_blocks: int
+    batches_applied: int
+    batches_duplicate: int
+    replays: int
+    snapshots: int
+    events_logged: int
+    """Events the router has logged for monitors so far (the id the next one gets)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterReport:
+    policy: str
+    tokens_per_block: int
+    ranks: list[RankReport]
+    foreign: list[ForeignReport]
+    router: RouterTotals
+
+    def to_dict(self) -> dict:
+        """JSON-ready, nested the way the dataclasses are."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ClusterReport:
+        """The report from ``to_dict``'s JSON (what ``GET /v1/cluster`` answers)."""
+        ranks = [RankReport(**{**r, "blocks": None if r["blocks"] is None else
+                               {tier: TierBlocks(**b) for tier, b in r["blocks"].items()}}) for r in d["ranks"]]
+        return cls(d["policy"], d["tokens_per_block"], ranks, [ForeignReport(**f) for f in d["foreign"]],
+                   RouterTotals(**d["router"]))

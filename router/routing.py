@@ -1,0 +1,35 @@
+"""The routing step the live router and the replay simulator share: weigh the live ranks, let the policy pick.
+
+Both build every rank's ``RankState`` from the same ``LoadAccount`` (what was
+dispatched and not finished) and the rank's own block counts, and hand the
+policy the prefix matches they probed from the index (``router.probe``), so a
+policy measured by ``kvledger bench`` is the policy ``kvledger up`` runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvledger.router.load import LoadAccount
+from kvledger.router.policies import RouteDecision, RouteRequest, RoutingPolicy
+from kvledger.router.probe import PrefixMatch
+
+
+class RouteStep:
+    """``policy`` over ``account`` (see the module docstring); its caller serializes calls."""
+
+    def __init__(self, policy: RoutingPolicy, account: LoadAccount) -> None:
+        self.policy = policy
+        self.account = account
+
+    def decide(self, request: RouteRequest, matches: Mapping[int, PrefixMatch], live: Sequence[int],
+               blocks: Mapping[int, tuple[int, int]], now: float, record: bool) -> RouteDecision:
+        """The policy's decision among ``live`` ranks; ``blocks`` is each rank's (used, total) device blocks.
+
+        With ``record`` the request is then sent where the decision says, and a
+        policy with a memory of its own (``cache_aware``) learns it.
+        """
+        states = [self.account.state(r, now, *blocks.get(r, (0, 0))) for r in live]
+        decision = self.policy.route(request, states, matches)
+        if record:
+            self.policy.on_routed(request, decision)
+        return decision

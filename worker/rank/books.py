@@ -1,0 +1,90 @@
+"""The ledger one rank keeps, its event publisher, and the lock every call into them takes.
+
+A rank's actor is threaded (a rank blocked in a ``recv`` must still serve and
+report), so serving, probing, publishing and the migration endpoints all meet
+here: whoever touches the ledger holds ``lock``. The ledger is built only once
+the ranks agreed on its block counts; until then (and after a restart) every
+call that needs it raises ``RankNotReadyError``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.rank.publisher import EventPublisher
+from kvledger.worker.wire.errors import RankNotReadyError
+
+logger = logging.getLogger(__name__)
+
+
+class RankBooks:
+    """One rank's ledger (``manager``) and publisher, once built; see the module docstring."""
+
+    def __init__(self, rank: int, template: CacheConfig, device: torch.device, gpu_memory_fraction: float,
+                 replay_size: int, clock: Callable[[], float] | None = None) -> None:
+        """``clock`` (default: the real ones) drives the ledger's retention and the batches' timestamps; the
+        replay simulator passes its simulated time."""
+        if not 0.0 < gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
+        self.rank = rank
+        self.template = template
+        self.device = device
+        self.gpu_memory_fraction = gpu_memory_fraction
+        self.replay_size = replay_size
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.manager: KVCacheManager | None = None
+        self.publisher: EventPublisher | None = None
+        self._local_counts: tuple[int, int] | None = None
+
+    def local_block_counts(self) -> tuple[int, int]:
+        """Blocks that fit this rank's budget: (device tier, host tier).
+
+        Device tier: the configured byte budget (``CacheConfig.primary_bytes`` or
+        block count); on CUDA without a byte budget, ``gpu_memory_fraction`` of the
+        free device memory, measured once, before this rank allocated its pools (a
+        group re-formed later must not count the rank's own pool against it).
+        Host tier: the configured budget.
+        """
+        if self._local_counts is None:
+            bpb = self.template.bytes_per_block
+            if self.device.type == "cuda" and self.template.primary_bytes is None:
+                free, _total = torch.cuda.mem_get_info(self.device)
+                primary = int(free * self.gpu_memory_fraction) // bpb
+            else:
+                primary = self.template.primary_blocks()
+            self._local_counts = (primary, self.template.secondary_blocks())
+        return self._local_counts
+
+    def build(self, num_primary: int, num_secondary: int) -> tuple[int, int]:
+        """Build (or keep, when the counts are unchanged) the ledger with these block counts."""
+        with self.lock:
+            if self.manager is not None and (self.manager.num_primary, self.manager.num_secondary) == (
+                    num_primary, num_secondary):
+                return num_primary, num_secondary
+            cfg = dataclasses.replace(self.template, num_primary_blocks=num_primary,
+                                      num_secondary_blocks=num_secondary, primary_bytes=None, secondary_bytes=None)
+            self.manager = KVCacheManager(cfg, clock=self.clock or time.monotonic)
+            self.publisher = EventPublisher(self.manager, self.rank, self.replay_size, clock=self.clock or time.time)
+            logger.info("rank %d: ledger of %d device + %d host blocks on %s", self.rank, num_primary,
+                        num_secondary, self.device)
+            return num_primary, num_secondary
+
+    def ledger(self) -> KVCacheManager:
+        """The built ledger (the caller holds ``lock``), or ``RankNotReadyError``."""
+        if self.manager is None:
+            raise RankNotReadyError(f"rank {self.rank}: the ledger is not built yet (block counts not agreed)")
+        return self.manager
+
+    def events(self) -> EventPublisher:
+        """The built ledger's publisher, or ``RankNotReadyError``."""
+        self.ledger()
+        assert self.publisher is not None, "a built ledger has a publisher"
+        return self.publisher

@@ -1,0 +1,105 @@
+"""The typed messages between a router (or a coordinator) and a rank, besides the requests themselves.
+
+Every method of the rank interface (``kvledger.router.rank_client.RankClient``)
+answers with one of these or with a batch type from ``batches``: plain frozen
+dataclasses that pickle across Ray and carry no torch, so the router can read
+them without importing the ledger.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvledger.worker.wire.batches import PublishedBatch
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOutcome:
+    """What serving one request on one rank produced."""
+
+    request_id: int
+    rank: int
+    output_tokens: list[int]
+    cached_tokens: int
+    """Prompt tokens whose KV the rank's ledger supplied (reused, copied or onboarded)."""
+    computed_tokens: int
+    """Prompt tokens the prefill computed; at least 1, the last prompt token is never reused."""
+    onboarded_blocks: int
+    """Blocks brought back from the host tier to admit the request."""
+    last_logits: list[float] | None = None
+    """Logits after the last prompt position (float32 values), when the caller asked for them."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeReply:
+    """A served batch: one outcome per request, in order, and (when asked) the events serving it caused.
+
+    ``events`` is the batch the rank published right after serving, before it let
+    go of its ledger, so a router indexes what a request stored before it
+    answers the request (the next prompt sharing the prefix is routed on it).
+    """
+
+    outcomes: list[ServeOutcome]
+    events: PublishedBatch | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One rank's own report of its queue and its blocks, in one call."""
+
+    rank: int
+    ready: bool
+    """Whether the rank has a ledger (block counts agreed); a rank that restarted has none until then."""
+    publishing: bool = False
+    """Whether a publisher thread pushes this rank's event batches."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens of the requests waiting for the ledger."""
+    queued_requests: int = 0
+    running_requests: int = 0
+    served_requests: int = 0
+    device_blocks_used: int = 0
+    device_blocks_free: int = 0
+    host_blocks_used: int = 0
+    host_blocks_free: int = 0
+    cache_hit_rate: float = 0.0
+    """The ledger's reused / (reused + missed) blocks."""
+
+    @property
+    def device_blocks(self) -> int:
+        return self.device_blocks_used + self.device_blocks_free
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """Where a rank lives and what it is made of (what ``kvledger status`` shows)."""
+
+    rank: int
+    device: str
+    backend: str
+    """The process group's backend: ``nccl`` between GPUs, ``gloo`` between CPUs."""
+    in_group: bool
+    ready: bool
+    tokens_per_block: int
+    device_blocks: int = 0
+    host_blocks: int = 0
+    transfers: dict[str, int] = field(default_factory=dict)
+    """How this rank's migrations moved their bytes: sent/received straight from the pool or through staging."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportTicket:
+    """The source side of a migration: ``blocks`` full prefix blocks pinned under ``pin_id``."""
+
+    pin_id: int
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImportTicket:
+    """The target side of a migration: ``blocks`` destination blocks allocated under ``import_id``.
+
+    They are the last ``blocks`` of the source's pinned prefix (the target shares
+    the ones it already holds); with none to receive, the import is already over.
+    """
+
+    import_id: int
+    blocks: int

@@ -28,10 +28,9 @@ import statistics
 import time
 
 import torch
-
-import kvledger.coordinator  # noqa: F401  (before ray)
 import torch.distributed as dist
 
+import kvledger.coordinator  # noqa: F401  (before ray)
 from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
 from kvledger.worker.rank.worker import RankWorker
 

@@ -28,6 +28,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvledger.coordinator.config import ClusterConfig
+from kvledger.coordinator.liveness import Liveness
 from kvledger.coordinator.migration import Migrator
 from kvledger.coordinator.rank_client import RayRankClient
 from kvledger.router.rank_client import RankDiedError
@@ -77,8 +78,7 @@ class Cluster:
         self.clients = [RayRankClient(r, a, quick_timeout_s, config.call_timeout_s, self.mark_down)
                         for r, a in enumerate(actors)]
         self.migrator = Migrator(self.client, self._mover)
-        self._down: set[int] = set()
-        self._lock = threading.Lock()
+        self.liveness = Liveness()
         self._group_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -197,20 +197,16 @@ class Cluster:
     # ------------------------------------------------------------------ the router's RankSet
 
     def live(self) -> list[int]:
-        with self._lock:
-            return [r for r in range(len(self.clients)) if r not in self._down]
+        return self.liveness.live(range(len(self.clients)))
 
     def client(self, rank: int) -> RayRankClient:
         if not 0 <= rank < len(self.clients):
             raise ValueError(f"no rank {rank!r} in a cluster of {len(self.clients)} ranks")
-        with self._lock:
-            if rank in self._down:
-                raise RankDiedError(rank, "it was reported down")
+        self.liveness.check(rank)
         return self.clients[rank]
 
     def mark_down(self, rank: int) -> None:
-        with self._lock:
-            self._down.add(rank)
+        self.liveness.mark_down(rank)
 
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None = None,
                 lora_id: int | None = None, cache_salt: str | None = None) -> int:
@@ -244,16 +240,7 @@ class Cluster:
 
     def check_health(self) -> list[int]:
         """Update who is live from one health round (a rank without a ledger is down); returns the ranks back."""
-        back = []
-        for r, load in enumerate(self.health()):
-            ready = load is not None and load.ready
-            with self._lock:
-                if ready and r in self._down:
-                    self._down.discard(r)
-                    back.append(r)
-                elif not ready:
-                    self._down.add(r)
-        return back
+        return self.liveness.update({r: load is not None and load.ready for r, load in enumerate(self.health())})
 
     def alive(self) -> list[bool]:
         """Whether each rank answers now (a restarting rank does not)."""

@@ -13,6 +13,7 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
+from kvledger.coordinator.liveness import Liveness
 from kvledger.coordinator.migration import Migrator
 from kvledger.router.rank_client import RankDiedError
 from kvledger.worker.ledger.config import CacheConfig
@@ -104,7 +105,7 @@ class LocalCluster:
             raise ValueError(f"workers must have distinct ranks, got {ranks}")
         self._workers = {w.rank: w for w in workers}
         self._clients = {r: InProcessRankClient(self, r) for r in ranks}
-        self._down: set[int] = set()
+        self.liveness = Liveness()
         self._crashed: set[int] = set()
         self._lock = threading.Lock()
         self.migrator = Migrator(self.client, lambda s, d: _CopyMover(self.reach(s), self.reach(d)))
@@ -129,11 +130,12 @@ class LocalCluster:
     def reach(self, rank: int) -> RankWorker:
         """The worker of ``rank`` for a call now: a crash is noticed here, once, and marks it down."""
         with self._lock:
-            if rank in self._crashed:
-                self._crashed.discard(rank)
-                self._down.add(rank)
-                raise RankDiedError(rank, "its worker crashed")
+            crashed = rank in self._crashed
+            self._crashed.discard(rank)
             w = self._workers.get(rank)
+        if crashed:
+            self.liveness.mark_down(rank)
+            raise RankDiedError(rank, "its worker crashed")
         if w is None:
             raise ValueError(f"no rank {rank!r} among ranks {sorted(self._workers)}")
         return w
@@ -154,41 +156,30 @@ class LocalCluster:
         w.build_ledger(m.num_primary, m.num_secondary)
         with self._lock:
             self._workers[rank] = w
-            self._down.discard(rank)
             self._crashed.discard(rank)
+        self.liveness.update({rank: True})
         return w
 
     def check_health(self) -> list[int]:
         """Update who is live (a worker with a ledger that did not crash); returns the ranks back."""
-        back = []
-        for r, w in list(self._workers.items()):
-            with self._lock:
-                ready = r not in self._crashed and w.manager is not None
-                if ready and r in self._down:
-                    self._down.discard(r)
-                    back.append(r)
-                elif not ready:
-                    self._down.add(r)
-        return back
+        with self._lock:
+            ready = {r: r not in self._crashed and w.manager is not None for r, w in self._workers.items()}
+        return self.liveness.update(ready)
 
     # ------------------------------------------------------------------ RankSet
 
     def live(self) -> list[int]:
-        with self._lock:
-            return sorted(r for r in self._workers if r not in self._down)
+        return self.liveness.live(self._workers)
 
     def client(self, rank: int) -> InProcessRankClient:
-        with self._lock:
-            if rank in self._down:
-                raise RankDiedError(rank, "it was reported down")
-            client = self._clients.get(rank)
+        client = self._clients.get(rank)
         if client is None:
             raise ValueError(f"no rank {rank!r} among ranks {sorted(self._workers)}")
+        self.liveness.check(rank)
         return client
 
     def mark_down(self, rank: int) -> None:
-        with self._lock:
-            self._down.add(rank)
+        self.liveness.mark_down(rank)
 
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None = None,
                 lora_id: int | None = None, cache_salt: str | None = None) -> int:

@@ -7,7 +7,7 @@ the cluster is idle (a router pulling would make one call per rank per
 interval, events or not), and the rank, which knows when it has events, sets
 the pace. A batch that arrives out of order or gets lost shows as a gap in the
 numbering, which the service closes by asking that rank for a replay.
-Besides, a request the router sends is served with ``serve_published``: the
+Besides, a request the router sends is served with ``publish=True``: the
 rank publishes the events that request caused before it lets go of its ledger
 and returns them with the result, so a completion's blocks are in the index
 when the HTTP answer leaves (the next request sharing its prefix is routed on
@@ -33,9 +33,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import parse_vllm_endpoint
+from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
 from kvledger.router.service import RouterService
 
 logger = logging.getLogger(__name__)

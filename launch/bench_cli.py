@@ -14,14 +14,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
-from kvledger.replay.config import (
-    CONCURRENCY,
-    DEFAULT_LIMIT,
-    MAX_INPUT_TOKENS,
-    MAX_OUTPUT_TOKENS,
-    TINY_BLOCK_SIZE,
-    TinyOptions,
-)
+from kvledger.replay.config import (CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, TINY_BLOCK_SIZE,
+                                    TinyOptions)
 from kvledger.replay.simulator import SimCosts
 
 _COST_HELP = {

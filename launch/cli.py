@@ -68,7 +68,7 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
     from kvledger.launch.flags import SIZE, SIZES, Converter, add_dataclass_flags
     from kvledger.launch.up import UpOptions
     from kvledger.router.config import RouterConfig
-    from kvledger.router.policies import make_policy, policy_names
+    from kvledger.router.policies import policy_config_type, policy_names
 
     p.add_argument("--address", default=None, metavar="HOST:PORT",
                    help="join this Ray cluster (e.g. one made with `ray start --head`) instead of starting one")
@@ -94,7 +94,7 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
     policies = {name: add_dataclass_flags(p, config_type(), title=f"{name} policy (with --policy {name})",
                                           prefix=name)
                 for name in policy_names()
-                if (config_type := type(make_policy(name)).config_type) is not None}
+                if (config_type := policy_config_type(name)) is not None}
     http = add_dataclass_flags(p, RouterActorConfig(), title="router HTTP API", exclude=("router",),
                                converters={"vllm_events": Converter(_vllm_endpoint, metavar="TCP[,REPLAY]")})
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import httpx
 
+from kvledger.router.report import ClusterReport
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -78,10 +80,16 @@ def _stream(url: str, rank: int | None, since: int, stop: threading.Event,
                 on_line(line)
 
 
+def _report(url: str) -> ClusterReport:
+    """The router's cluster summary, read back into its dataclasses."""
+    r = httpx.get(f"{url}/v1/cluster", timeout=10.0)
+    r.raise_for_status()
+    return ClusterReport.from_dict(r.json())
+
+
 def _latest_event_id(url: str) -> int:
     """Where the live stream starts: the number of events the router has logged so far."""
-    c = httpx.get(f"{url}/v1/cluster", timeout=10.0).json()
-    return c["router"]["events_logged"]
+    return _report(url).router.events_logged
 
 
 def monitor(url: str | None = None, rank: int | None = None, as_json: bool = False, seconds: float | None = None,
@@ -113,21 +121,20 @@ def _table(url: str, rank: int | None, seconds: float | None, history: int, refr
     reader.start()
 
     def render() -> Group:
-        c = httpx.get(f"{url}/v1/cluster", timeout=10.0).json()
-        t = Table(title=f"kvledger router {url}  policy {c['policy']}  hit rate {c['router']['hit_rate']:.0%}  "
-                        f"completions {c['router']['completions']}")
+        c = _report(url)
+        t = Table(title=f"kvledger router {url}  policy {c.policy}  hit rate {c.router.hit_rate:.0%}  "
+                        f"completions {c.router.completions}")
         for col in ("rank", "GPU used/free", "CPU used/free", "hit rate", "events/s", "events", "index blocks",
                     "in flight", "served"):
             t.add_column(col, justify="right")
-        for r in c["ranks"]:
-            if rank is not None and r["rank"] != rank:
+        for r in c.ranks:
+            if rank is not None and r.rank != rank:
                 continue
-            b = r["blocks"]
-            gpu = "-" if b is None else f"{b['GPU']['used']}/{b['GPU']['free']}"
-            cpu = "-" if b is None else f"{b['CPU']['used']}/{b['CPU']['free']}"
-            hit = "-" if r["cache_hit_rate"] is None else f"{r['cache_hit_rate']:.0%}"
-            t.add_row(str(r["rank"]), gpu, cpu, hit, f"{r['events_per_s']:.1f}", str(r["events_total"]),
-                      str(r["index_blocks"]), str(r["inflight_requests"]), str(r["completions"]))
+            gpu = "-" if r.blocks is None else f"{r.blocks['GPU'].used}/{r.blocks['GPU'].free}"
+            cpu = "-" if r.blocks is None else f"{r.blocks['CPU'].used}/{r.blocks['CPU'].free}"
+            hit = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}"
+            t.add_row(str(r.rank), gpu, cpu, hit, f"{r.events_per_s:.1f}", str(r.events_total),
+                      str(r.index_blocks), str(r.inflight_requests), str(r.completions))
         ev = Table(title="last events")
         for col in ("id", "rank", "batch", "type", "detail"):
             ev.add_column(col)

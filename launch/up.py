@@ -28,15 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 import kvledger.coordinator  # noqa: F401  (before ray: one auth mode, loopback-only local Ray)
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.launch.state import (
-    ClusterState,
-    descendants,
-    is_alive,
-    options_path,
-    start_time,
-    state_dir,
-    state_path,
-)
+from kvledger.launch.state import ClusterState, descendants, is_alive, options_path, start_time, state_dir, state_path
 
 if TYPE_CHECKING:  # the router actor's module imports Ray; ``status`` and ``down`` import this one without it
     from kvledger.coordinator.router_actor import RouterActorConfig

@@ -80,7 +80,7 @@ class BenchConfig:
     """Processes replaying policies side by side; 0 = min(policies, CPU cores)."""
     costs: SimCosts = field(default_factory=SimCosts)
     tiny: TinyOptions = field(default_factory=TinyOptions)
-    """Prompt and output caps and client concurrency of ``engine="tiny"`` (``launch/bench/tiny.py``)."""
+    """Prompt and output caps and client concurrency of ``engine="tiny"`` (``replay/tiny.py``)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

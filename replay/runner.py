@@ -15,14 +15,8 @@ from kvledger.replay.report import summarize
 from kvledger.replay.result import BenchResult
 from kvledger.replay.simulator import PolicyRun, RouteHasher, SimConfig, check_fits, simulate
 from kvledger.replay.tiny import run_tiny
-from kvledger.replay.trace import (
-    MOONCAKE_BLOCK_SIZE,
-    BlockChains,
-    SyntheticConfig,
-    Trace,
-    generate_synthetic,
-    load_mooncake,
-)
+from kvledger.replay.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, generate_synthetic,
+                                   load_mooncake)
 
 
 def load_trace(config: BenchConfig) -> tuple[Trace, int]:

@@ -2,7 +2,7 @@
 
 For every policy a fresh cluster is started (so every policy starts from empty
 caches): ``--ranks`` rank actors, each with a real ledger and the reference
-engine (``worker.model.TinyDecoder``: real prefill and decode on the CPU), and
+engine (``kvledger.worker.engine.model.TinyDecoder``: real prefill and decode on the CPU), and
 the router actor serving the HTTP API on 127.0.0.1 with its policy set to that
 policy. The router has no way to switch policy, and its ranks' caches would
 carry over anyway, hence one cluster per policy (about 10 s of start-up each).
@@ -52,27 +52,13 @@ import numpy as np
 
 import kvledger.coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
 from kvledger.replay.bounds import compute_bounds
-from kvledger.replay.config import (
-    DEFAULT_LIMIT,
-    START_TIMEOUT_S,
-    TINY_BLOCK_SIZE,
-    TINY_SYNTHETIC,
-    BenchConfig,
-    TinyOptions,
-)
+from kvledger.replay.config import (DEFAULT_LIMIT, START_TIMEOUT_S, TINY_BLOCK_SIZE, TINY_SYNTHETIC, BenchConfig,
+                                    TinyOptions)
 from kvledger.replay.report import summarize
 from kvledger.replay.result import BenchResult
 from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
-from kvledger.replay.trace import (
-    MOONCAKE_BLOCK_SIZE,
-    BlockChains,
-    SyntheticConfig,
-    Trace,
-    TraceRequest,
-    expand_tokens,
-    generate_synthetic,
-    load_mooncake,
-)
+from kvledger.replay.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, TraceRequest,
+                                   expand_tokens, generate_synthetic, load_mooncake)
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 
 # --- the workload -----------------------------------------------------------------------------------

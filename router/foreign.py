@@ -18,16 +18,8 @@ from dataclasses import dataclass
 
 from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
-from kvledger.worker.wire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    EventBatch,
-    KVCacheCreated,
-    KVEvent,
-    check_event,
-)
+from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
+                                         KVCacheCreated, KVEvent, check_event)
 
 
 @dataclass(slots=True)
@@ -83,7 +75,7 @@ class ForeignFeed:
     def apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
         """Translate and apply batch ``seq`` of foreign ``rank``; the map changes only if the index applies it."""
         if not isinstance(batch, EventBatch):
-            raise TypeError(f"batch must be a worker.events.EventBatch, got {type(batch).__name__}")
+            raise TypeError(f"batch must be a kvledger.worker.wire.events.EventBatch, got {type(batch).__name__}")
         index = self._index
         if seq != index.next_seq(rank) or index.awaiting_snapshot(rank):
             # Numbering alone decides: gap, duplicate or restart. Nothing to translate.
@@ -132,7 +124,7 @@ class ForeignFeed:
         if t is AllBlocksCleared or t is KVCacheCreated:
             overlay.cleared, overlay.changes = True, {}
             return ev
-        raise TypeError(f"events[{i}] must be a worker.events event, got {t.__name__}")
+        raise TypeError(f"events[{i}] must be a kvledger.worker.wire.events event, got {t.__name__}")
 
     def _stored(self, overlay: _Overlay, ev: BlockStored, i: int) -> BlockStored | None:
         tpb = self._index.tokens_per_block

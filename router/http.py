@@ -49,7 +49,7 @@ class CompletionBody(_Body):
     """``POST /v1/completions``: the OpenAI completions fields kvledger serves, plus its own three."""
 
     prompt: Prompt
-    """Text (byte-level tokens, ``worker.tokenizer``) or token ids."""
+    """Text (byte-level tokens, ``kvledger.worker.engine.tokenizer``) or token ids."""
     max_tokens: Annotated[StrictInt, Field(ge=0, le=4096)] = 16
     model: str | None = None
     """Accepted for OpenAI clients; there is one model."""

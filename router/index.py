@@ -27,19 +27,8 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 from typing import Protocol
 
-from kvledger.worker.wire.events import (
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    EventBatch,
-    KVCacheCreated,
-    KVEvent,
-    Medium,
-    check_event,
-    check_hash,
-    check_medium,
-    decode_batch,
-)
+from kvledger.worker.wire.events import (BlockRemoved, BlockStored, BlockUpdated, EventBatch, KVCacheCreated, KVEvent,
+                                         Medium, check_event, check_hash, check_medium, decode_batch)
 
 _DEV = 1                  # one device-tier ref
 _HOST = 1 << 32           # one host-tier ref
@@ -82,7 +71,7 @@ class ApplyResult:
 
 
 class SnapshotEntry(Protocol):
-    """One block a rank holds, as its snapshot lists it (``worker.manager.StoredBlock`` is one)."""
+    """One block a rank holds, as its snapshot lists it (``kvledger.worker.wire.batches.StoredBlock`` is one)."""
 
     @property
     def block_hash(self) -> int: ...
@@ -224,7 +213,7 @@ class PrefixIndex:
         Malformed events raise ``TypeError``/``ValueError`` and change nothing.
         """
         if not isinstance(batch, EventBatch):
-            raise TypeError(f"batch must be a worker.events.EventBatch, got {type(batch).__name__}")
+            raise TypeError(f"batch must be a kvledger.worker.wire.events.EventBatch, got {type(batch).__name__}")
         events = batch.events
         if type(events) is not list:
             raise TypeError(f"batch.events must be a list, got {type(events).__name__}")
@@ -233,7 +222,7 @@ class PrefixIndex:
         return self._apply(rank, seq, batch)
 
     def apply_bytes(self, rank: int, seq: int, data: bytes) -> ApplyResult:
-        """Decode a wire batch (``worker.events.decode_batch``, which validates every field) and apply it.
+        """Decode a wire batch (``kvledger.worker.wire.events.decode_batch``, which validates every field) and apply it.
 
         Raises ``EventDecodeError`` (a ``ValueError``) for malformed bytes, changing nothing.
         """

@@ -102,6 +102,10 @@ class RankSet(Protocol):
         """Stop listing ``rank`` until its health check sees it back."""
         ...
 
+    def check_health(self) -> list[int]:
+        """Ask every rank whether it is ready (one round); returns the ranks that came back since the last one."""
+        ...
+
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None = None,
                 lora_id: int | None = None, cache_salt: str | None = None) -> int:
         """Move the prefix blocks of ``tokens`` that ``src`` holds and ``dst`` lacks; returns the blocks sent."""

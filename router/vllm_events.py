@@ -4,7 +4,7 @@ vLLM's ``ZmqEventPublisher`` sends ``(topic, seq: 8-byte big-endian, payload)``
 on a PUB socket, and answers replays on a ROUTER socket: a DEALER sends
 ``("", start_seq)`` and reads ``("", topic, seq, payload)`` frames until the
 8-byte all-ones end marker. Payloads are msgpack batches that
-``worker.events.decode_batch`` reads (map or array layout); ``ForeignFeed``
+``kvledger.worker.wire.events.decode_batch`` reads (map or array layout); ``ForeignFeed``
 re-hashes their blocks so probes see them as ours.
 
 A vLLM engine keeps no snapshot: when a replay cannot reach back, the rank is

@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvledger.router.policies.base import (
-    NoLiveRankError,
-    RankState,
-    RouteDecision,
-    RouteRequest,
-    RoutingPolicy,
-    live_ranks,
-)
+from kvledger.router.policies.base import (NoLiveRankError, RankState, RouteDecision, RouteRequest, RoutingPolicy,
+                                           live_ranks)
 from kvledger.router.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from kvledger.router.policies.dynamo import DynamoCostConfig, DynamoPolicy
 from kvledger.router.policies.kv import KvCostModel, KvPolicy
@@ -36,14 +30,20 @@ def policy_names() -> list[str]:
     return list(_POLICIES)
 
 
-def make_policy(name: str = DEFAULT_POLICY, *, seed: int = 0, **options: float | int | bool) -> RoutingPolicy:
-    """A fresh policy; ``options`` are fields of its config dataclass (``KvCostModel`` for ``kv``, ...)."""
+def policy_config_type(name: str) -> type | None:
+    """The dataclass of ``name``'s options (``make_policy``'s keywords), or ``None`` when it takes none."""
     cls = _POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()}")
+    return cls.config_type
+
+
+def make_policy(name: str = DEFAULT_POLICY, *, seed: int = 0, **options: float | int | bool) -> RoutingPolicy:
+    """A fresh policy; ``options`` are fields of its config dataclass (``KvCostModel`` for ``kv``, ...)."""
+    config_type = policy_config_type(name)
+    cls = _POLICIES[name]
     if type(seed) is not int:
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    config_type = cls.config_type
     if config_type is None:
         if options:
             raise TypeError(f"policy {name!r} takes no options, got {sorted(options)}")
@@ -59,5 +59,5 @@ __all__ = [
     "DEFAULT_POLICY", "CacheAwareConfig", "CacheAwarePolicy", "DynamoCostConfig", "DynamoPolicy", "KvCostModel",
     "KvPolicy", "LlmDPolicy", "LlmDWeights", "NoLiveRankError", "PowerOfTwoPolicy", "RandomPolicy", "RankState",
     "RoundRobinPolicy", "RouteDecision", "RouteRequest", "RoutingPolicy", "live_ranks", "make_policy",
-    "policy_names",
+    "policy_config_type", "policy_names",
 ]

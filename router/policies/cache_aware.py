@@ -15,15 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvledger.router.policies.approx_tree import ApproxTree
-from kvledger.router.policies.base import (
-    ConfiguredPolicy,
-    RankState,
-    RouteDecision,
-    RouteRequest,
-    live_ranks,
-    matched_tokens,
-    pick_best,
-)
+from kvledger.router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest, live_ranks,
+                                           matched_tokens, pick_best)
 from kvledger.router.probe import PrefixMatch
 
 

@@ -10,16 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvledger.router.policies.base import (
-    ConfiguredPolicy,
-    RankState,
-    RouteDecision,
-    RouteRequest,
-    check_nonneg_numbers,
-    live_ranks,
-    matched_tokens,
-    pick_best,
-)
+from kvledger.router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest,
+                                           check_nonneg_numbers, live_ranks, matched_tokens, pick_best)
 from kvledger.router.probe import PrefixMatch
 
 

@@ -4,14 +4,8 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from kvledger.router.policies.base import (
-    RankState,
-    RouteDecision,
-    RouteRequest,
-    RoutingPolicy,
-    live_ranks,
-    matched_tokens,
-)
+from kvledger.router.policies.base import (RankState, RouteDecision, RouteRequest, RoutingPolicy, live_ranks,
+                                           matched_tokens)
 from kvledger.router.probe import PrefixMatch
 
 

@@ -15,8 +15,8 @@ import torch
 from kvledger.worker.engine.model import TinyDecoder
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.ledger.config import CacheConfig
-from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.request import Request
 
 

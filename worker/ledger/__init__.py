@@ -6,13 +6,12 @@ retention.py gives blocks the priorities requests ask for, integrity.py proves
 the books balance. Only the names below are the ledger's public surface.
 """
 from kvledger.worker.ledger.config import CacheConfig
-from kvledger.worker.wire.request import DEFAULT_PRIORITY
-from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.ledger.manager import KVCacheManager
-from kvledger.worker.wire.batches import StoredBlock
-from kvledger.worker.wire.request import Request, RetentionConfig, TokenRange
 from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary
+from kvledger.worker.wire.batches import StoredBlock
 from kvledger.worker.wire.block_key import BlockHash, BlockKey, MmKey, block_hashes
+from kvledger.worker.wire.errors import OutOfBlocksError
+from kvledger.worker.wire.request import DEFAULT_PRIORITY, Request, RetentionConfig, TokenRange
 
 __all__ = [
     "Admission", "BlockHash", "BlockKey", "CacheConfig", "DEFAULT_PRIORITY", "KVCacheManager", "KvCacheStats",

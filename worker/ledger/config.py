@@ -9,7 +9,6 @@ from kvledger.worker.device import resolve_device
 from kvledger.worker.wire.request import MAX_PRIORITY, MIN_PRIORITY
 
 
-
 @dataclass
 class CacheConfig:
     """Everything a ``KVCacheManager`` needs; validated on construction."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvledger.worker.ledger.block import Block
-from kvledger.worker.wire.request import MAX_PRIORITY
 from kvledger.worker.ledger.free_list import FreeList
+from kvledger.worker.wire.request import MAX_PRIORITY
 
 EMPTY_LEVEL = 0
 NUM_LEVELS = MAX_PRIORITY + 2

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvledger.worker.ledger.block import Block
-from kvledger.worker.wire.request import Request
 from kvledger.worker.ledger.stats import Admission
 from kvledger.worker.wire.block_key import ROOT_HASH, BlockHash, BlockKey, block_keys, chain_hashes
+from kvledger.worker.wire.request import Request
 
 
 @dataclass(slots=True, eq=False)

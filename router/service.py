@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import EventFeed
+from kvledger.router.index import PrefixIndex
 from kvledger.router.load import LoadAccount
 from kvledger.router.policies import NoLiveRankError, RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch
@@ -115,7 +116,7 @@ class RouterService:
         self._request_ids = itertools.count(1)
 
     @property
-    def index(self):  # type: ignore[no-untyped-def]
+    def index(self) -> PrefixIndex:
         """The feed's ``PrefixIndex`` (read it under ``feed.lock``)."""
         return self.feed.index
 

@@ -1,10 +1,26 @@
-"""Test-session setup: the tests directory is importable for its small helper modules; one Ray per session."""
+"""Test-session setup: the tests directory is importable for its small helper modules; one Ray per session;
+hypothesis derandomized unless asked otherwise.
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE``): ``ci``, the default, derandomizes every property test (the
+examples come from a hash of the test: the same on every run until the test or Hypothesis changes) and uses no example
+database, so a run fails only for a reason it fails for again; ``explore`` draws fresh random examples each run
+(locally, to look for new failures; a failure it finds is reported with the ``@reproduce_failure`` blob to pin
+it). Each test keeps its own ``max_examples`` (its ``settings`` decorator); the profile sets only the rest.
+``test_ledger_stateful.py`` stays derandomized under ``explore`` too: its coverage floors hold for its fixed
+sequence of workloads, not for every random one.
+"""
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 import kvledger.coordinator  # noqa: E402,F401  (sets the Ray environment before anything imports ray)
 

@@ -16,16 +16,8 @@ from kvledger.replay.bounds import compute_bounds, infinite_cached_tokens, poole
 from kvledger.replay.config import BenchConfig
 from kvledger.replay.runner import run
 from kvledger.replay.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
-from kvledger.replay.trace import (
-    BlockChains,
-    SyntheticConfig,
-    TraceRequest,
-    expand_tokens,
-    generate_synthetic,
-    load_mooncake,
-    request_tokens,
-    write_trace,
-)
+from kvledger.replay.trace import (BlockChains, SyntheticConfig, TraceRequest, expand_tokens, generate_synthetic,
+                                   load_mooncake, request_tokens, write_trace)
 from kvledger.router.policies import policy_names
 from kvledger.router.probe import prompt_hashes
 

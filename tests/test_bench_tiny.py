@@ -78,8 +78,12 @@ def test_no_migration_reaches_the_router_as_the_kv_policys_option():
 
 @pytest.fixture(scope="module")
 def replayed(ray_session):
+    # One request in flight at a time, in trace order: each is routed on the index every earlier answer left
+    # (a completion's blocks are indexed before it answers), so the hit rates compared below are the same on
+    # every run. With requests in flight together, which earlier ones had answered when the next was routed
+    # would depend on the machine's speed.
     config = BenchConfig(trace="synthetic", ranks=2, policy=",".join(POLICIES), engine="tiny", limit=REQUESTS,
-                         speed=4.0, seed=0)
+                         speed=4.0, seed=0, tiny=TinyOptions(concurrency=1))
     return run(config)
 
 

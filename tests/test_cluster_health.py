@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 import torch
@@ -12,11 +11,64 @@ from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
 from kvledger.router.config import RouterConfig
 from kvledger.router.service import RouterService
+from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig
+from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.request import Request
 
 T = 4
 TIMEOUT = 60
+
+
+def gated_worker_class() -> type[RankWorker]:
+    """``RankWorker`` whose engine can hold one request mid-decode, at a gate the test opens.
+
+    The request is admitted, prefilled and running (its blocks held, ``running_requests`` 1) while it waits,
+    so a test can kill its rank mid-request without racing the decode. Unarmed, the rank serves as any other
+    (a restarted actor starts unarmed). Built in a function so that Ray ships the classes by value: a rank
+    actor's process does not have tests/ on its path.
+    """
+
+    class GatedEngine(ReferenceEngine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.armed = False
+            self.holding = False
+            self.wake = threading.Event()   # set when a request is held, or when the gate opens
+            self.gate = threading.Event()
+
+        def _decode(self, manager, pool, requests, results, last) -> None:
+            if self.armed:
+                self.armed, self.holding = False, True
+                self.wake.set()
+                self.gate.wait(timeout=2 * TIMEOUT)   # bounded: an unopened gate still lets the request finish
+                self.holding = False
+            super()._decode(manager, pool, requests, results, last)
+
+    class GatedWorker(RankWorker):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.engine = self.server.engine = GatedEngine(self.template, seed=self.seed)
+
+        def hold_next_decode(self) -> None:
+            self.engine.armed, self.engine.holding = True, False
+            self.engine.wake.clear()
+            self.engine.gate.clear()
+
+        def wait_held(self, timeout_s: float) -> bool:
+            """Whether a request is held at the gate (waits up to ``timeout_s`` for one, or for the gate to open)."""
+            self.engine.wake.wait(timeout_s)
+            return self.engine.holding
+
+        def open_gate(self) -> None:
+            self.engine.armed = False
+            self.engine.gate.set()
+            self.engine.wake.set()
+
+    return GatedWorker
+
+
+GATED_WORKER = gated_worker_class()   # one class: the actor class built from it is cached per worker class
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +77,7 @@ def cluster(ray_session):
                         device="cpu", num_primary_blocks=256)
     cfg = ClusterConfig(num_ranks=2, device="cpu", cache=cache, name_prefix="kvledger-health-rank",
                         max_restarts=2, group_timeout_s=30, call_timeout_s=TIMEOUT)
-    c = Cluster.start(cfg)
+    c = Cluster.start(cfg, worker_cls=GATED_WORKER)
     yield c
     c.shutdown()
 
@@ -38,20 +90,28 @@ def test_a_killed_rank_loses_no_request_restarts_and_rejoins(cluster, ray_sessio
     service.feed.sync()
     long_prompt = [rng.randrange(256) for _ in range(3 * T + 1)]
     long_result: list = []
+    # the gate: whichever rank the long request goes to holds it mid-decode until that rank is killed
+    ray.get([a.hold_next_decode.remote() for a in cluster.actors], timeout=TIMEOUT)
     t = threading.Thread(target=lambda: long_result.append(service.complete(long_prompt, max_tokens=900)))
     t.start()
+    killed = False
     try:
-        # the gate: the long request is running on a rank (the rank says so) before that rank is killed
-        for _ in range(400):
-            busy = [r for r, load in enumerate(cluster.health()) if load is not None and load.running_requests]
-            if busy:
-                break
-            time.sleep(0.025)   # another process's state: nothing local to wait on
-        assert busy, "the long request never showed up running"
+        held = {r: a.wait_held.remote(TIMEOUT) for r, a in enumerate(cluster.actors)}
+        ready, _ = ray.wait(list(held.values()), num_returns=1, timeout=TIMEOUT + 10)
+        busy = [r for r, ref in held.items() if ref in ready and ray.get(ref, timeout=TIMEOUT)]
+        assert busy, "the long request never reached a rank's gate"
         (victim,) = busy
+        survivor = 1 - victim
+        ray.get(cluster.actors[survivor].open_gate.remote(), timeout=TIMEOUT)   # the retry must not wait
+        assert ray.get(held[survivor], timeout=TIMEOUT) is False
+        load = cluster.health()[victim]
+        assert load is not None and load.running_requests == 1, "held mid-request: the rank says it is running"
         victim_pid = ray.get(cluster.actors[victim].pid.remote(), timeout=TIMEOUT)
         ray.kill(cluster.actors[victim], no_restart=False)
+        killed = True
     finally:
+        if not killed:   # a check above failed: let the held request finish rather than wait out its gate
+            ray.get([a.open_gate.remote() for a in cluster.actors], timeout=TIMEOUT)
         t.join(timeout=2 * TIMEOUT)
     assert not t.is_alive() and long_result, "the request whose rank was killed was answered"
     (moved,) = long_result

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from processes import run
 
 HERE = Path(__file__).parent
 
@@ -13,8 +14,8 @@ HERE = Path(__file__).parent
 def test_ranks_spread_over_nodes_and_migrate_between_them():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HERE / "multinode_check.py")], capture_output=True, text=True,
-                          timeout=170, env=env, cwd=HERE.parent)
+    # its own session: on a timeout the simulated nodes' Ray processes die with it (see processes.py)
+    proc = run([sys.executable, str(HERE / "multinode_check.py")], timeout=170, env=env, cwd=HERE.parent)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])

@@ -9,8 +9,8 @@ from kvledger.worker.ledger import CacheConfig, OutOfBlocksError
 from kvledger.worker.ledger.block import SECONDARY
 from kvledger.worker.rank.transfer import contiguous_view
 from kvledger.worker.rank.worker import RankWorker
-from kvledger.worker.wire.request import Request
 from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
+from kvledger.worker.wire.request import Request
 
 T = 4
 

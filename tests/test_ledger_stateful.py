@@ -3,14 +3,8 @@ from __future__ import annotations
 
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 from ledger_helpers import FakeClock, make_manager, read_kv, token_value, write_kv
 
 from kvledger.worker.ledger import OutOfBlocksError, Request, RetentionConfig, TokenRange
@@ -133,6 +127,8 @@ class LedgerMachine(RuleBasedStateMachine):
 def test_random_workloads_keep_the_books_and_the_kv():
     """At least 2,000 steps, with reuse and onboarding actually exercised."""
     LedgerMachine.steps = LedgerMachine.reused = LedgerMachine.onboarded = 0
+    # Derandomized whatever HYPOTHESIS_PROFILE says: the coverage floors below hold for this fixed sequence of
+    # workloads, not for every random one (random seeds reuse 11-148 times and onboard 0-32 blocks).
     run_state_machine_as_test(LedgerMachine, settings=settings(max_examples=60, stateful_step_count=60,
                                                                deadline=None, database=None, derandomize=True,
                                                                phases=[Phase.generate]))

@@ -1,6 +1,6 @@
 """The paged reference model against a dense recompute, and the byte tokenizer.
 
-The dense reference below shares only the weights with ``worker.model``: it
+The dense reference below shares only the weights with ``kvledger.worker.engine.model``: it
 recomputes the whole sequence with ordinary causal attention and no pool. K/V
 are rounded through the pool dtype as the paged model stores them, so both see
 the same numbers; logits then agree to float32 round-off (``ATOL``/``RTOL``:

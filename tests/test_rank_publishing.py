@@ -10,12 +10,12 @@ import torch
 from kvledger.router.index import ApplyStatus, PrefixIndex
 from kvledger.router.probe import probe
 from kvledger.worker.ledger import CacheConfig
-from kvledger.worker.wire.batches import PublishedBatch
 from kvledger.worker.rank.worker import RankWorker
+from kvledger.worker.wire.batches import PublishedBatch
 from kvledger.worker.wire.errors import RankNotReadyError
+from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
 from kvledger.worker.wire.messages import ServeOutcome
 from kvledger.worker.wire.request import Request
-from kvledger.worker.wire.events import BlockStored, KVCacheCreated, decode_batch
 
 T = 4
 

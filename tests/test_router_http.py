@@ -10,15 +10,28 @@ import httpx
 import pytest
 import torch
 
-from kvledger.router.http import HttpServer, make_app
 from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
+from kvledger.router.http import HttpServer, make_app
 from kvledger.router.service import RouterService
 from kvledger.worker.engine.tokenizer import decode, encode
 from kvledger.worker.ledger.config import CacheConfig
 
 T = 4
 PREFIX = "The quick brown fox jumps over the lazy dog. "   # 45 bytes: 11 full blocks
+
+
+def prefix(tag: str) -> str:
+    """A prefix as long as ``PREFIX`` (45 bytes: 11 full blocks) that is this test's own.
+
+    The router and its ranks live as long as the module, so a test that counts cached tokens or matched
+    blocks must not find what another test left: each test's prompts start with a token of their own (each
+    test's tag begins with a letter no other prompt of the module begins with: the ranks reuse even part of a
+    block, so a shared first byte would show as a cached token).
+    """
+    p = f"{tag}: {PREFIX}"[:len(PREFIX) - 1] + " "
+    assert len(encode(p)) == len(encode(PREFIX)), p
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +56,12 @@ def test_binds_loopback_and_reports_health(router):
 
 def test_completions_report_the_real_reused_count(router):
     _, backend, client = router
-    first = client.post("/v1/completions", json={"prompt": PREFIX + "Alpha?", "max_tokens": 5}).json()
-    second = client.post("/v1/completions", json={"prompt": PREFIX + "Beta!", "max_tokens": 5,
+    shared = prefix("reuse")   # nothing before this test holds it, whatever ran first
+    first = client.post("/v1/completions", json={"prompt": shared + "Alpha?", "max_tokens": 5}).json()
+    second = client.post("/v1/completions", json={"prompt": shared + "Beta!", "max_tokens": 5,
                                                   "model": "anything"}).json()
     assert first["object"] == "text_completion" and first["usage"]["completion_tokens"] == 5
-    assert first["usage"]["prompt_tokens"] == len(encode(PREFIX + "Alpha?"))
+    assert first["usage"]["prompt_tokens"] == len(encode(shared + "Alpha?"))
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert first["choices"][0]["text"] == decode(first["kvledger"]["output_token_ids"])
     kv = second["kvledger"]
@@ -55,18 +69,19 @@ def test_completions_report_the_real_reused_count(router):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == kv["cached_tokens"] >= 44
     assert kv["computed_tokens"] + kv["cached_tokens"] == second["usage"]["prompt_tokens"]
     assert set(kv) >= {"rank", "cached_tokens", "computed_tokens", "onboarded_blocks", "migrated_blocks"}
-    ids = client.post("/v1/completions", json={"prompt": encode(PREFIX + "Alpha?"), "max_tokens": 5,
+    ids = client.post("/v1/completions", json={"prompt": encode(shared + "Alpha?"), "max_tokens": 5,
                                                "cache_salt": None, "priority": 80}).json()
     assert ids["kvledger"]["output_token_ids"] == first["kvledger"]["output_token_ids"]
-    salted = client.post("/v1/completions", json={"prompt": PREFIX + "Alpha?", "max_tokens": 1,
-                                                  "cache_salt": "tenant-b"}).json()
+    salted = client.post("/v1/completions", json={"prompt": shared + "Alpha?", "max_tokens": 1,
+                                                  "cache_salt": "tenant-b-reuse"}).json()
     assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "a salt never shares another's KV"
 
 
 def test_route_and_probe_agree_with_the_ranks(router):
     _, _, client = router
-    client.post("/v1/completions", json={"prompt": PREFIX + "Gamma", "max_tokens": 0})
-    prompt = PREFIX + "Delta and more"
+    shared = prefix("probe")   # held by the one rank this test's completion went to, by no other
+    client.post("/v1/completions", json={"prompt": shared + "Gamma", "max_tokens": 0})
+    prompt = shared + "Delta and more"
     d = client.post("/v1/route", json={"prompt": prompt}).json()
     assert d["policy"] == "kv" and d["rank"] in (0, 1) and len(d["ranks"]) == 2
     best = max(d["ranks"], key=lambda r: r["matched_tokens"])
@@ -119,8 +134,8 @@ def test_events_stream_as_ndjson_and_follow_live(router):
 
     reader = threading.Thread(target=read)
     reader.start()
-    out = client.post("/v1/completions", json={"prompt": "A new text, nothing shared here.", "max_tokens": 1}
-                      ).json()
+    out = client.post("/v1/completions", json={"prompt": "events: a new text, nothing shared here.",
+                                               "max_tokens": 1}).json()
     reader.join(timeout=20)
     assert not reader.is_alive()
     assert len(lines) == 1 and lines[0]["type"] == "BlockStored" and lines[0]["id"] == nxt
@@ -135,10 +150,11 @@ def test_events_stream_as_ndjson_and_follow_live(router):
 
 def test_cluster_and_metrics(router):
     _, _, client = router
-    client.post("/v1/completions", json={"prompt": PREFIX + "metrics", "max_tokens": 1})
+    before = client.get("/v1/cluster").json()["router"]["completions"]   # whatever other tests served
+    client.post("/v1/completions", json={"prompt": prefix("metrics") + "metrics", "max_tokens": 1})
     c = client.get("/v1/cluster").json()
     assert c["policy"] == "kv" and [r["rank"] for r in c["ranks"]] == [0, 1]
-    assert c["router"]["completions"] >= 1 and c["ranks"][0]["blocks"]["GPU"]["free"] >= 0
+    assert c["router"]["completions"] == before + 1 and c["ranks"][0]["blocks"]["GPU"]["free"] >= 0
     m = client.get("/metrics")
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     text = m.text

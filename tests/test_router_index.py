@@ -10,16 +10,8 @@ from kvledger.router.foreign import ForeignFeed
 from kvledger.router.index import ApplyStatus, PrefixIndex, SnapshotBlock
 from kvledger.router.probe import match_prefix, prompt_hashes
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
-from kvledger.worker.wire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    EventBatch,
-    EventDecodeError,
-    KVCacheCreated,
-    encode_batch,
-)
+from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
+                                         EventDecodeError, KVCacheCreated, encode_batch)
 
 TPB = 4
 H = [0x1000 + i for i in range(32)]   # stand-in chained hashes: the index treats hashes as opaque

@@ -7,17 +7,8 @@ import random
 import pytest
 
 from kvledger.router.index import PrefixIndex
-from kvledger.router.policies import (
-    CacheAwarePolicy,
-    KvCostModel,
-    KvPolicy,
-    NoLiveRankError,
-    RankState,
-    RouteDecision,
-    RouteRequest,
-    make_policy,
-    policy_names,
-)
+from kvledger.router.policies import (CacheAwarePolicy, KvCostModel, KvPolicy, NoLiveRankError, RankState,
+                                      RouteDecision, RouteRequest, make_policy, policy_names)
 from kvledger.router.policies.approx_tree import ApproxTree
 from kvledger.router.probe import PrefixMatch, match_prefix
 from kvledger.worker.wire.events import BlockStored, EventBatch

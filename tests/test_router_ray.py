@@ -1,5 +1,13 @@
 """End to end on a real local Ray cluster: two rank actors, the router actor serving HTTP on 127.0.0.1,
-events pushed by the ranks' publisher threads, the HTTP API and the command line against it."""
+events pushed by the ranks' publisher threads, the HTTP API and the command line against it.
+
+The cluster and its router live as long as the module, so each test is independent of the others' order:
+its prompts begin with a letter of their own (``system(tag)``; the ranks reuse even part of a block, so a
+shared first byte would show as cached), it compares counters before and after instead of absolute values,
+and a test that restarts a rank waits until the router has taken it back in full. The test with a second
+router has ranks of its own: a rank pushes its events to one router at a time, and a second router attached
+to these ranks would take the first one's event stream.
+"""
 from __future__ import annotations
 
 import json
@@ -15,8 +23,8 @@ from kvledger.coordinator.config import ClusterConfig
 from kvledger.coordinator.router_actor import RouterActorConfig, start_router
 from kvledger.launch.cli import main as cli
 from kvledger.worker.engine.tokenizer import encode
-from kvledger.worker.wire.request import Request
 from kvledger.worker.ledger import CacheConfig
+from kvledger.worker.wire.request import Request
 
 T = 8
 TIMEOUT = 60
@@ -25,11 +33,21 @@ SYSTEM = "You are a terse assistant. Answer with one word only, please.\n"   # 6
 SHARED = 64   # tokens of SYSTEM + "Q": the full blocks every question shares
 
 
+def system(tag: str) -> str:
+    """A system prompt as long as ``SYSTEM`` that is this test's own (``tag`` begins with its own letter)."""
+    p = f"{tag}: {SYSTEM}"[:len(SYSTEM) - 1] + "\n"
+    assert len(encode(p)) == len(encode(SYSTEM)), p
+    return p
+
+
+def cache(primary: int = 128) -> CacheConfig:
+    return CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                       device="cpu", num_primary_blocks=primary, num_secondary_blocks=16)
+
+
 @pytest.fixture(scope="module")
 def routed(ray_session):
-    cache = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
-                        device="cpu", num_primary_blocks=128, num_secondary_blocks=16)
-    cfg = ClusterConfig(num_ranks=2, device="cpu", cache=cache, num_cpus_per_rank=0.5, name_prefix=PREFIX,
+    cfg = ClusterConfig(num_ranks=2, device="cpu", cache=cache(), num_cpus_per_rank=0.5, name_prefix=PREFIX,
                         group_timeout_s=30, call_timeout_s=TIMEOUT)
     cluster = Cluster.start(cfg)
     handle, url = start_router(cluster, RouterActorConfig(port=0), name=f"{PREFIX}-router")
@@ -51,22 +69,34 @@ def wait_for(cond, what: str, timeout_s: float = 20.0):
         time.sleep(0.05)   # another process's push: nothing local to wait on
 
 
+def totals(client: httpx.Client) -> dict:
+    """The router's counters now (``/v1/cluster``'s ``router``), to compare before and after."""
+    return client.get("/v1/cluster").json()["router"]
+
+
+def events(client: httpx.Client, since: int, rank: int | None = None) -> list[dict]:
+    """The events logged from id ``since`` on, as ``/v1/events`` streams them in 0.3 s."""
+    params = {"since": since, "timeout": 0.3, **({} if rank is None else {"rank": rank})}
+    return [json.loads(line) for line in client.get("/v1/events", params=params).text.splitlines() if line]
+
+
 def test_completions_reuse_a_shared_prefix_and_the_index_matches_the_ranks(routed):
     _, _, client = routed
     assert client.base_url.host == "127.0.0.1"
     assert client.get("/health").json()["live_ranks"] == [0, 1]
-    first = client.post("/v1/completions", json={"prompt": SYSTEM + "Q: colour of the sky?", "max_tokens": 4})
+    shared = system("ask")   # held by no rank before this test, whatever ran first
+    first = client.post("/v1/completions", json={"prompt": shared + "Q: colour of the sky?", "max_tokens": 4})
     assert first.status_code == 200, first.text
-    second = client.post("/v1/completions", json={"prompt": SYSTEM + "Q: colour of grass?", "max_tokens": 4}).json()
+    second = client.post("/v1/completions", json={"prompt": shared + "Q: colour of grass?", "max_tokens": 4}).json()
     a, b = first.json()["kvledger"], second["kvledger"]
     assert a["cached_tokens"] == 0 and b["rank"] == a["rank"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == b["cached_tokens"] >= SHARED
-    assert second["usage"]["prompt_tokens"] == len(encode(SYSTEM + "Q: colour of grass?"))
-    for text in (SYSTEM + "Q: anything", SYSTEM[:40], "unrelated words here, nothing shared at all"):
+    assert second["usage"]["prompt_tokens"] == len(encode(shared + "Q: colour of grass?"))
+    for text in (shared + "Q: anything", shared[:40], "unrelated words here, nothing shared at all"):
         approx = client.post("/v1/probe", json={"prompt": text}).json()["ranks"]
         exact = client.post("/v1/probe", json={"prompt": text, "exact": True}).json()["ranks"]
         assert [(r["rank"], r["matched_tokens"]) for r in approx] == [(r["rank"], r["matched_tokens"]) for r in exact]
-    route = client.post("/v1/route", json={"prompt": SYSTEM + "Q: next"}).json()
+    route = client.post("/v1/route", json={"prompt": shared + "Q: next"}).json()
     assert route["rank"] == a["rank"] and max(r["matched_tokens"] for r in route["ranks"]) == SHARED
 
 
@@ -74,17 +104,17 @@ def test_ranks_push_events_that_stream_to_monitors(routed):
     cluster, _, client = routed
     # served on a rank directly, not through the router: only the rank's publisher thread can tell the router
     text = "Pushed, not flushed: the publisher thread carries these blocks."
+    before = totals(client)["events_logged"]   # this test's events only, whatever others logged
     (res,) = cluster.client(1).serve([Request(777, encode(text), 1)]).outcomes
     assert res.cached_tokens == 0
     wait_for(lambda: client.post("/v1/probe", json={"prompt": text}).json()["ranks"][1]["matched_tokens"] > 0,
              "the pushed batch to reach the index")
-    r = client.get("/v1/events", params={"since": 0, "rank": 1, "timeout": 1.0})
-    events = [json.loads(line) for line in r.text.splitlines()]
-    stored = [e for e in events if e["type"] == "BlockStored"]
-    assert stored and all(e["rank"] == 1 for e in events) and all(e["block_size"] == T for e in stored)
+    pushed = events(client, before, rank=1)
+    stored = [e for e in pushed if e["type"] == "BlockStored"]
+    assert stored and all(e["rank"] == 1 for e in pushed) and all(e["block_size"] == T for e in stored)
     assert any(e["token_ids"] == list(encode(text))[:len(e["token_ids"])] for e in stored)
     # follows live: a stream opened now gets the next completion's events
-    since = client.get("/v1/cluster").json()["router"]["events_logged"]
+    since = totals(client)["events_logged"]
     with client.stream("GET", "/v1/events", params={"since": since, "limit": 1, "timeout": 20}) as resp:
         client.post("/v1/completions", json={"prompt": "fresh text that nobody cached", "max_tokens": 1})
         lines = [json.loads(x) for x in resp.iter_lines() if x]
@@ -93,10 +123,14 @@ def test_ranks_push_events_that_stream_to_monitors(routed):
 
 def test_metrics_and_cluster(routed):
     _, _, client = routed
+    before = totals(client)
+    shared = system("metrics")
+    for q in ("Q: one", "Q: two"):   # this test's own completions: the second reuses the first's prefix
+        assert client.post("/v1/completions", json={"prompt": shared + q, "max_tokens": 1}).status_code == 200
     c = client.get("/v1/cluster").json()
-    assert [r["rank"] for r in c["ranks"]] == [0, 1] and c["router"]["completions"] >= 2
+    assert [r["rank"] for r in c["ranks"]] == [0, 1] and c["router"]["completions"] == before["completions"] + 2
     assert c["ranks"][0]["blocks"]["GPU"]["used"] + c["ranks"][0]["blocks"]["GPU"]["free"] == 128
-    assert c["router"]["cached_tokens"] >= SHARED
+    assert c["router"]["cached_tokens"] - before["cached_tokens"] >= SHARED
     text = client.get("/metrics").text
     for family in ("kvledger_blocks{", "kvledger_cache_hit_rate{", "kvledger_events_per_second{",
                    "kvledger_routing_decisions_total{", "kvledger_probe_latency_seconds_bucket{",
@@ -108,11 +142,15 @@ def test_command_line_route_and_monitor(routed, capsys, monkeypatch):
     _, _, client = routed
     monkeypatch.setenv("COLUMNS", "160")   # rich sizes the table to the (captured) terminal
     url = str(client.base_url)
-    assert cli(["route", SYSTEM + "Q: the command line?", "--max-tokens", "3", "--url", url]) == 0
+    shared = system("cli")
+    # the shared prefix, cached by this test itself (not by whichever test ran before)
+    warm = client.post("/v1/completions", json={"prompt": shared + "Q: warm up", "max_tokens": 1})
+    assert warm.status_code == 200 and warm.json()["kvledger"]["cached_tokens"] == 0, warm.text
+    assert cli(["route", shared + "Q: the command line?", "--max-tokens", "3", "--url", url]) == 0
     out = capsys.readouterr().out
     assert "rank " in out and "output:" in out
     assert int(re.search(r"cached (\d+)", out).group(1)) >= SHARED
-    assert cli(["route", SYSTEM + "Q: salted", "--salt", "tenant-z", "--url", url]) == 0
+    assert cli(["route", shared + "Q: salted", "--salt", "tenant-z", "--url", url]) == 0
     assert "cached 0" in capsys.readouterr().out
     assert cli(["monitor", "--json", "--seconds", "1", "--url", url]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
@@ -124,41 +162,59 @@ def test_command_line_route_and_monitor(routed, capsys, monkeypatch):
 
 def test_a_rank_that_dies_leaves_the_index_and_its_request_is_served_elsewhere(routed, ray_session):
     cluster, _, client = routed
-    text = SYSTEM + "Q: who holds this one?"
+    shared = system("death")
+    text = shared + "Q: who holds this one?"
+    before = totals(client)
     home = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["kvledger"]["rank"]
     ray_session.kill(cluster.actors[home], no_restart=False)     # Ray restarts it, with no ledger
     out = client.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
     assert out.status_code == 200, out.text
     assert out.json()["kvledger"]["rank"] != home, "served by a live rank, nothing lost"
     c = client.get("/v1/cluster").json()
-    assert home not in [r["rank"] for r in c["ranks"]] and c["router"]["ranks_removed"] >= 1
+    assert home not in [r["rank"] for r in c["ranks"]] and c["router"]["ranks_removed"] >= before["ranks_removed"] + 1
     assert client.get("/health").json()["live_ranks"] == [1 - home]
+    (removed,) = [e["id"] for e in events(client, before["events_logged"], rank=home) if e["type"] == "RankRemoved"]
     assert cluster.heal(timeout_s=TIMEOUT) == [home]                 # back, group re-formed, empty ledger
-    wait_for(lambda: client.get("/health").json()["live_ranks"] == [0, 1], "the restarted rank to rejoin")
-    for prompt in (text, SYSTEM + "Q: after the restart"):
+
+    def rejoined() -> bool:
+        """Back in full, as the next test must find it: live, its snapshot indexed, its load reported."""
+        if client.get("/health").json()["live_ranks"] != [0, 1]:
+            return False
+        if not any(e["type"] == "Snapshot" for e in events(client, removed + 1, rank=home)):
+            return False
+        return all(r["blocks"] is not None for r in client.get("/v1/cluster").json()["ranks"])
+
+    wait_for(rejoined, "the restarted rank to rejoin")
+    for prompt in (text, shared + "Q: after the restart"):
         client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         approx = client.post("/v1/probe", json={"prompt": prompt}).json()["ranks"]
         exact = client.post("/v1/probe", json={"prompt": prompt, "exact": True}).json()["ranks"]
         assert approx == [{**r, "tiers": a["tiers"]} for r, a in zip(exact, approx)]
 
 
-def test_the_router_actor_indexes_a_vllm_engine_given_on_the_command_line(routed, ray_session):
+def test_the_router_actor_indexes_a_vllm_engine_given_on_the_command_line(ray_session):
     """``kvledger up --vllm-events`` reaches the router actor as ``RouterActorConfig.vllm_events``."""
     from test_router_vllm_events import FakeVllmPublisher, vllm_stored
 
-    cluster, _, _ = routed
+    # Ranks of its own: attached to the module's ranks, this second router would take their pushes from the
+    # module's router (one router at a time per rank), and the two would take turns at every health round.
+    cluster = Cluster.start(ClusterConfig(num_ranks=1, device="cpu", cache=cache(32), num_cpus_per_rank=0.5,
+                                          name_prefix=f"{PREFIX}-vllm", group_timeout_s=30, call_timeout_s=TIMEOUT))
     engine = FakeVllmPublisher()
-    endpoint = f"tcp://127.0.0.1:{engine.pub_port},tcp://127.0.0.1:{engine.replay_port}"
-    handle, url = start_router(cluster, RouterActorConfig(port=0, vllm_events=(endpoint,)),
-                               name=f"{PREFIX}-router-vllm")
+    handle = None
     try:
+        endpoint = f"tcp://127.0.0.1:{engine.pub_port},tcp://127.0.0.1:{engine.replay_port}"
+        handle, url = start_router(cluster, RouterActorConfig(port=0, vllm_events=(endpoint,)),
+                                   name=f"{PREFIX}-router-vllm")
         engine.wait_subscribed(timeout_ms=20_000)
-        tokens = encode(SYSTEM + "Q: vllm")
+        tokens = encode(system("vllm") + "Q: vllm")
         engine.publish([{**vllm_stored([71, 72], None, tokens[:2 * T]), "block_size": T}])
         with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
             held = wait_for(lambda: [r for r in client.post("/v1/probe", json={"prompt": tokens}).json()["ranks"]
                                      if r.get("vllm") and r["matched_tokens"]], "the vLLM engine's blocks")
             assert held[0]["matched_tokens"] == 2 * T and held[0]["vllm"].startswith("tcp://127.0.0.1:")
     finally:
-        ray_session.kill(handle, no_restart=True)
+        if handle is not None:
+            ray_session.kill(handle, no_restart=True)
+        cluster.shutdown()
         engine.close()

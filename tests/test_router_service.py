@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 import torch
 
-from kvledger.router.index import ApplyStatus
 from kvledger.coordinator.local_cluster import LocalCluster
-from kvledger.router.policies import NoLiveRankError, make_policy
 from kvledger.router.config import RouterConfig
+from kvledger.router.index import ApplyStatus
+from kvledger.router.policies import NoLiveRankError, make_policy
 from kvledger.router.service import RouterService
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.wire.request import Request
@@ -161,17 +160,34 @@ def test_a_loaded_best_rank_hands_its_prefix_over_by_migration():
     other = 1 - home
     backend.worker(other).serve([Request(900, shared[:16] + [1])])
     svc.feed.flush(other)                                    # the other rank holds the first 4 blocks itself
-    busy = threading.Thread(target=svc.complete, args=(shared + [2] * 8,), kwargs={"max_tokens": 400})
+    # The gate: the busy request waits at the home rank's door, before serving takes the ledger lock (which the
+    # migration below needs), so it stays in flight -- dispatched, unanswered -- until the checks are done.
+    busy_prompt = shared + [2] * 8
+    worker = backend.worker(home)
+    serve = worker.serve
+    at_door, gate = threading.Event(), threading.Event()
+
+    def gated_serve(requests, logits=False, publish=False):
+        if any(r.tokens == busy_prompt for r in requests):
+            at_door.set()
+            assert gate.wait(timeout=30), "the test never opened the gate"
+        return serve(requests, logits, publish)
+
+    worker.serve = gated_serve
+    answered: list = []
+    busy = threading.Thread(target=lambda: answered.append(svc.complete(busy_prompt, max_tokens=400)))
     busy.start()                                       # the same prefix: the kv policy sends it home too
     try:
-        deadline = time.monotonic() + 10
-        while svc.report(refresh=False).ranks[home].inflight_requests == 0:
-            assert time.monotonic() < deadline, "the long request never showed up in flight"
-            time.sleep(0.001)
+        assert at_door.wait(timeout=30), "the long request never reached the home rank"
+        assert svc.report(refresh=False).ranks[home].inflight_requests == 1
         decision = svc.route(shared + [3], max_tokens=1)
         out = svc.complete(shared + [3], max_tokens=1)
+        assert svc.report(refresh=False).ranks[home].inflight_requests == 1, "still held at the gate"
     finally:
+        gate.set()
         busy.join(timeout=30)
+    assert not busy.is_alive() and answered, "the gated request was answered once the gate opened"
+    assert answered[0].rank == home and len(answered[0].output_tokens) == 400
     assert decision.rank == other and decision.migrate_from == home and decision.migrate_blocks == 8
     assert out.rank == other and out.migrated_blocks == 8 and out.cached_tokens >= 48
     assert_index_agrees(svc, [shared + [3]])

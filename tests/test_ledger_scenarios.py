@@ -164,6 +164,41 @@ def test_retention_expires_by_injected_clock():
     mgr.check_integrity()
 
 
+def test_retention_counts_from_release_and_only_free_blocks_expire():
+    """TensorRT-LLM's rule: a 10 s priority-90 range of a request still running at 11 s keeps its blocks at 90;
+    the countdown starts when they are released, so they fall back 10 s after that, not before."""
+    clock = FakeClock()
+    mgr = make_manager(primary=4, clock=clock)
+    keep = RetentionConfig(ranges=[TokenRange(0, None, priority=90, duration_s=10)])
+    serve(mgr, make_request(1, A[:8], retention=keep))
+    ids = mgr.get_block_ids(1)
+    mgr.take_events()
+    clock.now += 11
+    mgr.refresh_blocks()
+    assert mgr.take_events() == [] and [mgr.blocks[i].priority for i in ids] == [90, 90], "in use: no expiry"
+    mgr.remove_sequence(1)                          # released at t0 + 11: expires at t0 + 21
+    clock.now += 9.5
+    mgr.refresh_blocks()
+    assert mgr.take_events() == [] and [mgr.blocks[i].priority for i in ids] == [90, 90]
+    # taken again before it expires: the countdown stops, and restarts in full at the next release
+    assert mgr.add_sequence(make_request(2, A[:8] + [1])) == 8
+    clock.now += 5
+    mgr.refresh_blocks()
+    assert mgr.take_events() == []
+    mgr.remove_sequence(2)                          # released at t0 + 25.5: expires at t0 + 35.5
+    clock.now += 9.9
+    mgr.refresh_blocks()
+    assert mgr.take_events() == []
+    clock.now += 0.2
+    mgr.refresh_blocks()
+    h = block_hashes(A[:8], 4)
+    assert sorted(mgr.take_events(), key=lambda e: e.block_hash) == sorted(
+        [BlockUpdated(h[0], old_priority=90, new_priority=35), BlockUpdated(h[1], old_priority=90, new_priority=35)],
+        key=lambda e: e.block_hash)
+    assert all(mgr.blocks[i].expires_at is None and mgr.blocks[i].duration_s is None for i in ids)
+    mgr.check_integrity()
+
+
 def test_retention_holds_before_it_expires():
     clock = FakeClock()
     mgr = make_manager(primary=4, clock=clock)

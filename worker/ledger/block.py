@@ -37,8 +37,11 @@ class Block:
     """Previous block of the sequence that wrote it."""
     is_full: bool = False
     priority: int = 35
+    duration_s: float | None = None
+    """How long ``priority`` lasts once the block is free; ``None``: for good."""
     expires_at: float | None = None
-    """When ``priority`` falls back to the default (injected clock)."""
+    """When ``priority`` falls back to the default (injected clock): set when the block is released with a
+    duration, cleared when a request takes it again. Only free blocks expire (TensorRT-LLM's rule)."""
     level: int = -1
     """Free-list level while free (-1 when not in a free list)."""
     freed_at: int = 0

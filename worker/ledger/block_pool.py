@@ -7,8 +7,16 @@ host tier when its priority earns that and the host tier has room, else
 dropped), brings host blocks back on demand, counts references, and announces
 every tier move and removal. It owns the prefix tree because evicting a block
 takes it out of the tree; storing blocks and matching prompts are the manager's.
+
+It also starts retention countdowns: a block released with a retention
+duration gets its expiry then (``now + duration`` on the injected clock, in
+the ``expiry`` heap that ``Retention.refresh`` pops), and a request taking the
+block again stops it, so a block in use never expires.
 """
 from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
 
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY, Block
 from kvledger.worker.ledger.config import CacheConfig
@@ -27,10 +35,13 @@ class BlockPool:
     """
 
     __slots__ = ("config", "num_primary", "num_secondary", "pools", "blocks", "eviction", "tree", "events",
-                 "alloc_total", "alloc_new", "offloaded", "onboarded")
+                 "alloc_total", "alloc_new", "offloaded", "onboarded", "clock", "expiry")
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, clock: Callable[[], float]) -> None:
         self.config = config
+        self.clock = clock
+        self.expiry: list[tuple[float, int]] = []
+        """``(expires_at, block id)`` of released blocks with a retention duration; stale entries are skipped."""
         n_primary, n_secondary = config.primary_blocks(), config.secondary_blocks()
         self.num_primary, self.num_secondary = n_primary, n_secondary
         self.pools = TieredPools(config, n_primary, n_secondary)
@@ -56,6 +67,7 @@ class BlockPool:
         """Hold ``b`` once more; a free block leaves its free list."""
         if b.ref_count == 0 and b.level >= 0:
             self.eviction.claim(b)
+            b.expires_at = None   # in use again: its countdown stops (it starts anew at the next release)
         b.ref_count += 1
 
     def unref(self, b: Block) -> None:
@@ -65,6 +77,8 @@ class BlockPool:
         if b.ref_count == 0:
             if b.node is None:
                 self._wipe(b)
+            elif b.duration_s is not None:
+                self._start_countdown(b)
             self.eviction.release(b)
 
     def release(self, blocks: list[Block]) -> None:
@@ -76,8 +90,14 @@ class BlockPool:
             if b.ref_count == 0:
                 if b.node is None:
                     self._wipe(b)
+                elif b.duration_s is not None:
+                    self._start_countdown(b)
                 freed.append(b)
         self.eviction.release_n(freed)
+
+    def _start_countdown(self, b: Block) -> None:
+        b.expires_at = self.clock() + b.duration_s
+        heapq.heappush(self.expiry, (b.expires_at, b.block_id))
 
     def take_free(self, count_alloc: bool) -> Block:
         """A clean primary block: the eviction victim, offloaded to the host tier or dropped."""
@@ -139,4 +159,4 @@ class BlockPool:
     def _wipe(self, b: Block) -> None:
         b.key = b.block_hash = b.prev = None
         b.is_full = False
-        b.priority, b.expires_at = DEFAULT_PRIORITY, None
+        b.priority, b.duration_s, b.expires_at = DEFAULT_PRIORITY, None, None

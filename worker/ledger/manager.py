@@ -61,11 +61,11 @@ class KVCacheManager:
     def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
-        self._pool = pool = BlockPool(config)
+        self._pool = pool = BlockPool(config, clock)
         self.num_primary, self.num_secondary = pool.num_primary, pool.num_secondary
         self.pools = pool.pools
         self.blocks = pool.blocks
-        self._retention = Retention(pool, clock, self.tokens_per_block)
+        self._retention = Retention(pool, self.tokens_per_block)
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, list[Block]] = {}
         self._sched_free = pool.num_primary
@@ -74,7 +74,7 @@ class KVCacheManager:
     @property
     def clock(self) -> Callable[[], float]:
         """The injected clock that retention durations run on."""
-        return self._retention.clock
+        return self._pool.clock
 
     # ------------------------------------------------------------------ admission
 

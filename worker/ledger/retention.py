@@ -1,15 +1,17 @@
 """Retention: the priorities a request asks for its blocks, and their expiry by the injected clock.
 
 A priority orders eviction (see eviction.py); a duration makes it temporary.
-Expiry is lazy and needs no timer: a heap of ``(expires_at, block id)`` is
-popped when the manager next looks (``refresh``), so a fake clock in tests
-decides exactly when a priority falls back. A heap entry whose block has
-since been given another expiry is stale and skipped.
+As in TensorRT-LLM, the countdown starts when the block is released (the pool
+starts it, see block_pool.py) and only free blocks expire: a block a request
+still holds keeps its priority however long it runs. Expiry is lazy and needs
+no timer: the pool's heap of ``(expires_at, block id)`` is popped when the
+manager next looks (``refresh``), so a fake clock in tests decides exactly
+when a priority falls back. A heap entry whose block has since been taken
+again, or given another expiry, is stale and skipped.
 """
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 
 from kvledger.worker.ledger.block_pool import BlockPool
 from kvledger.worker.ledger.eviction import level_of
@@ -19,18 +21,16 @@ from kvledger.worker.wire.request import DEFAULT_PRIORITY
 
 
 class Retention:
-    """Applies retention configs to the blocks of one pool and expires their durations."""
+    """Applies retention configs to the blocks of one pool and expires the durations of its free blocks."""
 
-    __slots__ = ("_pool", "clock", "_tokens_per_block", "_expiry")
+    __slots__ = ("_pool", "_tokens_per_block")
 
-    def __init__(self, pool: BlockPool, clock: Callable[[], float], tokens_per_block: int) -> None:
+    def __init__(self, pool: BlockPool, tokens_per_block: int) -> None:
         self._pool = pool
-        self.clock = clock
         self._tokens_per_block = tokens_per_block
-        self._expiry: list[tuple[float, int]] = []
 
     def apply(self, seq: Sequence, first: int) -> None:
-        """Give blocks ``first..`` of ``seq`` the priority its request asks for at their positions.
+        """Give blocks ``first..`` of ``seq`` the priority (and duration) its request asks for at their positions.
 
         A request without a retention config leaves the priority of the blocks it
         reuses alone (new blocks start at the default), so plain traffic never
@@ -40,17 +40,11 @@ class Retention:
         if retention is None:
             return
         T = self._tokens_per_block
-        now = None
         prompt_len = len(seq.request.tokens)
         for i in range(first, len(seq.blocks)):
             pri, dur = retention.for_block(i * T, (i + 1) * T, prompt_len)
             b = seq.blocks[i]
-            if dur is not None:
-                now = self.clock() if now is None else now
-                b.expires_at = now + dur
-                heapq.heappush(self._expiry, (b.expires_at, b.block_id))
-            else:
-                b.expires_at = None
+            b.duration_s = dur
             if b.priority != pri:
                 if b.block_hash is not None:
                     self._pool.events.put(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,
@@ -58,23 +52,24 @@ class Retention:
                 b.priority = pri
 
     def refresh(self) -> None:
-        """Blocks whose retention duration has passed fall back to the default priority."""
-        if not self._expiry or self._expiry[0][0] > self.clock():
-            return
-        now = self.clock()
+        """Free blocks whose retention duration has passed fall back to the default priority."""
         pool = self._pool
+        expiry = pool.expiry
+        if not expiry or expiry[0][0] > pool.clock():
+            return
+        now = pool.clock()
         moved = []
-        while self._expiry and self._expiry[0][0] <= now:
-            at, bid = heapq.heappop(self._expiry)
+        while expiry and expiry[0][0] <= now:
+            at, bid = heapq.heappop(expiry)
             b = pool.blocks[bid]
             if b.expires_at != at:
                 continue
-            b.expires_at = None
+            b.expires_at = b.duration_s = None
             if b.priority != DEFAULT_PRIORITY:
                 if b.block_hash is not None:
                     pool.events.put(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,
                                                  new_priority=DEFAULT_PRIORITY))
                 b.priority = DEFAULT_PRIORITY
-                if b.level >= 0 and b.level != level_of(b):
+                if b.level != level_of(b):
                     moved.append(b)
         pool.requeue(moved)

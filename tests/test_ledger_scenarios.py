@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ledger_helpers import FakeClock, make_manager, make_request, read_kv, serve, token_value
+from ledger_helpers import FakeClock, make_manager, make_request, read_kv, serve, token_value, write_kv
 
 from kvledger.worker.ledger import MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange, block_hashes
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY
@@ -161,6 +161,33 @@ def test_retention_expires_by_injected_clock():
     mgr.add_sequence(make_request(3, [9] * 8))
     removed = [x for e in mgr.take_events() if isinstance(e, BlockRemoved) for x in e.block_hashes]
     assert removed == [h[1], h[0]]
+    mgr.check_integrity()
+
+
+def test_release_never_stores_a_block_whose_last_token_has_no_kv():
+    """An engine counts its final sampled token (as TensorRT-LLM does) before any step computes its KV: the block
+    that token completes must not become reusable, or a later request would read a slot nobody wrote."""
+    mgr = make_manager(primary=8)
+    prompt = A[:6]
+    serve(mgr, make_request(1, prompt, max_new_tokens=2))     # prefill writes positions 0..5, stores block 0
+    mgr.add_token(1, 1, tokens=[50])                           # position 6: its KV is written by this step
+    write_kv(mgr, make_request(1, prompt), 6, 7, prompt + [50])
+    mgr.add_token(1, 1, tokens=[51])                           # position 7: the final token, never computed
+    mgr.take_events()
+    mgr.remove_sequence(1)
+    stored = [h for e in mgr.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == [], "block 1 ends in the unwritten final token: not stored"
+    assert mgr.probe_prefix_match_length(prompt + [50, 51, 0]) == 4
+    # one more counted token (its predecessor's KV written) and block 1 is complete and stored
+    serve(mgr, make_request(2, prompt, max_new_tokens=3))
+    for pos, tok in ((6, 50), (7, 51)):
+        mgr.add_token(2, 1, tokens=[tok])
+        write_kv(mgr, make_request(2, prompt), pos, pos + 1, prompt + [50, 51])
+    mgr.add_token(2, 1, tokens=[52])
+    mgr.take_events()
+    mgr.remove_sequence(2)
+    stored = [h for e in mgr.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == [block_hashes(prompt + [50, 51], 4)[1]]
     mgr.check_integrity()
 
 

@@ -89,6 +89,7 @@ class ReferenceEngine:
         while True:
             active = [i for i in active if len(results[i].output_tokens) < requests[i].max_new_tokens]
             if not active:
+                self._count_final_tokens(manager, requests, results)
                 return
             ids = [requests[i].request_id for i in active]
             toks = [results[i].output_tokens[-1] for i in active]
@@ -105,6 +106,23 @@ class ReferenceEngine:
                                       [requests[i].lora_id for i in active])
             for i, t in zip(active, step.argmax(dim=-1).tolist()):
                 results[i].output_tokens.append(t)
+
+    @staticmethod
+    def _count_final_tokens(manager: KVCacheManager, requests: Sequence[Request], results: list[ServeResult]) -> None:
+        """Count each request's last sampled token, as TensorRT-LLM does, so the ledger knows the whole sequence.
+
+        Its KV is never computed, and the ledger stores all but the last counted
+        token at release, so the block the final output completes becomes
+        reusable (a follow-up turn that repeats the output reuses it). When the
+        tokens would need more blocks than are free, they stay uncounted: that
+        block then is not stored, and nothing fails.
+        """
+        done = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
+        ids = [requests[i].request_id for i in done]
+        if sum(manager.get_needed_blocks_one_step(rid) for rid in ids) > manager.stats().free_num_blocks:
+            return
+        for i, rid in zip(done, ids):
+            manager.add_token(rid, 1, tokens=[results[i].output_tokens[-1]])
 
     def _check(self, manager: KVCacheManager, requests: Sequence[Request]) -> torch.Tensor:
         """Refuse a ledger whose geometry differs from the model's, and prompts outside the vocabulary."""

@@ -25,8 +25,15 @@ class Sequence:
     """Leading blocks known to sit in the prefix tree as themselves (held, so they stay there)."""
 
     def storable_blocks(self, tokens_per_block: int) -> int:
-        """Full blocks whose every token id is known."""
-        return min(len(self.tokens), self.num_tokens) // tokens_per_block
+        """Full blocks whose every token id is known and whose every token's KV is written.
+
+        The last counted token's KV is not: it is the one the next step computes
+        (TensorRT-LLM stores ``tokens[:-1]`` at release for this reason), so an
+        engine that counts its final sampled token never publishes a block with
+        an unwritten slot. The prompt's own blocks are stored after prefill
+        (``store_context_blocks``), when every prompt token's KV is written.
+        """
+        return (min(len(self.tokens), self.num_tokens) - 1) // tokens_per_block
 
     def ensure_keys(self, count: int, tokens_per_block: int) -> None:
         """Compute keys and chained hashes of the first ``count`` full blocks, each only once."""

@@ -18,6 +18,7 @@ class FakeClock:
 
 
 def make_manager(primary: int = 8, secondary: int = 0, clock: FakeClock | None = None, **kw) -> KVCacheManager:
+    kw.setdefault("check_integrity", True)   # the walking check after every public call
     cfg = CacheConfig(tokens_per_block=4, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                       device="cpu", num_primary_blocks=primary, num_secondary_blocks=secondary, **kw)
     mgr = KVCacheManager(cfg, clock=clock or FakeClock())

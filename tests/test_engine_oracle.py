@@ -26,7 +26,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def make_config(**overrides: object) -> CacheConfig:
     base: dict[str, object] = dict(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=16,
-                                   dtype=torch.float32, device="cpu", num_primary_blocks=64)
+                                   dtype=torch.float32, device="cpu", num_primary_blocks=64, check_integrity=True)
     base.update(overrides)
     return CacheConfig(**base)  # type: ignore[arg-type]
 

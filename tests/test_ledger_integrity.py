@@ -144,10 +144,40 @@ def test_free_count_disagrees_with_the_lists(books, tier):
 
 
 def test_free_list_size_disagrees_with_its_blocks(books):
+    lst = pool(books).eviction.lists(PRIMARY)[0]
+    lst.size += 1
+    broken(books, rf"tier GPU free list 0: size {lst.size}, {lst.size - 1} blocks walked")
+
+
+def test_the_walk_finds_a_broken_link(books):
     ev = pool(books).eviction
-    ev._lists[PRIMARY][0].size += 1
-    n = ev.num_free(PRIMARY)
-    broken(books, rf"tier GPU: free count {n}, {n} blocks in its free lists")
+    tier, level, lst = next((t, lv, lst) for t in (PRIMARY, SECONDARY) for lv, lst in enumerate(ev.lists(t))
+                            if lst.size >= 2)
+    second = lst.first().fl_next
+    second.fl_prev = lst.sentinel
+    medium = "GPU" if tier == PRIMARY else "CPU"
+    broken(books, rf"tier {medium} free list {level}: block {second.block_id} does not point back to its predecessor")
+
+
+def test_the_walk_finds_a_block_linked_into_the_wrong_level(books):
+    empty = pool(books).eviction.lists(PRIMARY)[0]
+    victim = empty.first()
+    empty.remove(victim)
+    pool(books).eviction.lists(PRIMARY)[50].append(victim)     # still says level 0; linked at level 50
+    broken(books, rf"tier GPU free list 50: block {victim.block_id} of tier 0, level 0 \(belongs in 0\) is in it")
+
+
+def test_the_walk_finds_a_block_in_two_lists(books):
+    ev = pool(books).eviction
+    b = ev.lists(PRIMARY)[0].first()
+    ev.lists(SECONDARY)[0].append(b)   # linked into a second list as well (its links now point there)
+    broken(books, r"free list")
+
+
+def test_a_countdown_on_a_block_in_use_is_caught(books):
+    b = books.pinned
+    b.duration_s, b.expires_at = 10.0, 1010.0
+    broken(books, rf"block {b.block_id}: a retention countdown runs while it is in use")
 
 
 # ------------------------------------------------------------------ pool slots
@@ -233,3 +263,18 @@ def test_node_count_disagrees(books):
     n = tree.num_nodes
     tree.num_nodes += 1
     broken(books, rf"prefix tree: {n} nodes reachable, {n + 1} counted")
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_the_debug_switch_checks_after_every_public_call(switch):
+    mgr = make_manager(primary=4, check_integrity=switch)
+    serve(mgr, make_request(1, list(range(9))))
+    mgr.blocks[mgr.get_block_ids(1)[0]].ref_count += 1     # corrupt the books behind the manager's back
+    assert mgr.probe_prefix_match_length([1, 2, 3]) == 0    # a query is not checked ...
+    if switch:
+        with pytest.raises(AssertionError, match="ref_count 2, held by 1"):
+            mgr.refresh_blocks()                           # ... a call that may change the books is
+    else:
+        mgr.refresh_blocks()
+        with pytest.raises(AssertionError, match="ref_count 2, held by 1"):
+            mgr.check_integrity()

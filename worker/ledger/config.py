@@ -41,6 +41,9 @@ class CacheConfig:
     """Evicted device blocks with at least this priority move to the host tier instead of being dropped."""
     event_buffer_size: int = 10_000
     """Events kept until ``take_events``; beyond it the oldest are dropped and counted."""
+    check_integrity: bool = False
+    """Run the walking integrity check after every public call of the manager (slow: it walks every block and
+    free list; for tests and debugging)."""
     materialize: bool = True
     """Allocate the KV tensors; ``False`` keeps only the books (for simulations)."""
 

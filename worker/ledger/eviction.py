@@ -103,5 +103,9 @@ class EvictionPolicy:
         for lst in self._lists[tier]:
             yield from lst
 
+    def lists(self, tier: int) -> list[FreeList]:
+        """The free lists of ``tier``, by level (for the integrity check's walk)."""
+        return self._lists[tier]
+
     def list_sizes(self, tier: int) -> list[int]:
         return [lst.size for lst in self._lists[tier]]

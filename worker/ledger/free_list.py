@@ -46,6 +46,11 @@ class FreeList:
         block.fl_prev = block.fl_next = None
         self.size -= 1
 
+    @property
+    def sentinel(self) -> Block:
+        """The list's own head block (no real block): ``sentinel.fl_next`` is the first, ``fl_prev`` the last."""
+        return self._head
+
     def first(self) -> Block | None:
         b = self._head.fl_next
         return None if b is self._head else b

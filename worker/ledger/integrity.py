@@ -3,8 +3,11 @@
 It recounts everything from scratch (references from the holders, free
 blocks from the free lists, slots, tree links) and compares with what the
 pool keeps incrementally, so a bug in any fast path shows up as the first
-invariant it broke, named. Kept apart from the pool and the manager: it only
-reads them, and all the invariants are in one place.
+invariant it broke, named. The free lists are walked link by link, not
+trusted by their counters: every link points back, every block in a list
+belongs to that tier and level and is unreferenced, no block is in two
+places, and each list's size is what the walk found. Kept apart from the pool
+and the manager: it only reads them, and all the invariants are in one place.
 """
 from __future__ import annotations
 
@@ -46,6 +49,10 @@ def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
             raise AssertionError(f"block {b.block_id}: key, hash and tree node disagree")
         if b.node is not None and (b.node.block is not b or b.node.key != b.key):
             raise AssertionError(f"block {b.block_id}: its tree node does not point back")
+        if b.expires_at is not None and (b.level < 0 or b.duration_s is None):
+            raise AssertionError(f"block {b.block_id}: a retention countdown runs while it is in use or has no "
+                                 "duration")
+    _walk_free_lists(pool)
     evict = pool.eviction
     for tier, size in ((PRIMARY, pool.num_primary), (SECONDARY, pool.num_secondary)):
         if slots[tier] != set(range(size)):
@@ -71,3 +78,42 @@ def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
             stack.append(child)
     if nodes != tree.num_nodes:
         raise AssertionError(f"prefix tree: {nodes} nodes reachable, {tree.num_nodes} counted")
+
+
+def _walk_free_lists(pool: BlockPool) -> None:
+    """Follow every free list from its sentinel and back; see the module docstring."""
+    seen: set[int] = set()
+    for tier in (PRIMARY, SECONDARY):
+        walked = 0
+        for level, lst in enumerate(pool.eviction.lists(tier)):
+            head = lst.sentinel
+            prev, b, n = head, head.fl_next, 0
+            while b is not head:
+                where = f"tier {TIER_MEDIUM[tier]} free list {level}"
+                if b is None or n > len(pool.blocks):
+                    raise AssertionError(f"{where}: the links do not lead back to its head")
+                if b.fl_prev is not prev:
+                    raise AssertionError(f"{where}: block {b.block_id} does not point back to its predecessor")
+                if b.block_id in seen:
+                    raise AssertionError(f"{where}: block {b.block_id} is in a free list twice")
+                if b.tier != tier or b.level != level or level_of(b) != level:
+                    raise AssertionError(f"{where}: block {b.block_id} of tier {b.tier}, level {b.level} "
+                                         f"(belongs in {level_of(b)}) is in it")
+                if b.ref_count:
+                    raise AssertionError(f"{where}: block {b.block_id} is referenced {b.ref_count} times")
+                seen.add(b.block_id)
+                prev, b, n = b, b.fl_next, n + 1
+            if head.fl_prev is not prev:
+                raise AssertionError(f"tier {TIER_MEDIUM[tier]} free list {level}: its head does not point back "
+                                     "to its last block")
+            if lst.size != n:
+                raise AssertionError(f"tier {TIER_MEDIUM[tier]} free list {level}: size {lst.size}, {n} blocks "
+                                     "walked")
+            walked += n
+        if walked != pool.eviction.num_free(tier):
+            raise AssertionError(f"tier {TIER_MEDIUM[tier]}: free count {pool.eviction.num_free(tier)}, {walked} "
+                                 "blocks in its free lists")
+    free = {b.block_id for b in pool.blocks if b.level >= 0}
+    if free != seen:
+        missing = sorted(free - seen)[:5]
+        raise AssertionError(f"blocks {missing} say they are free but are in no free list")

@@ -10,11 +10,13 @@ leaves the books, the stats and the event buffer as they were.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +35,7 @@ from kvledger.worker.wire.events import BlockStored, KVEvent
 from kvledger.worker.wire.request import Request
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
@@ -53,6 +56,18 @@ class _Plan:
     match: _Match
     new_blocks: int
     """Blocks to allocate, the copy destination of a partial match included."""
+
+
+def _checked(method: Callable[..., R]) -> Callable[..., R]:
+    """After ``method`` (refused or not), prove the books balance when ``CacheConfig.check_integrity`` asks."""
+    @functools.wraps(method)
+    def call(self: KVCacheManager, *args: object, **kwargs: object) -> R:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self.config.check_integrity:
+                self.check_integrity()
+    return call
 
 
 class KVCacheManager:
@@ -82,6 +97,7 @@ class KVCacheManager:
         """Admit one request; returns its prepopulated prompt length (tokens whose KV is reused)."""
         return self.add_sequences([request])[0]
 
+    @_checked
     def add_sequences(self, requests: Seq[Request]) -> list[int]:
         """Admit a batch: every request claims its matches before any block is allocated.
 
@@ -227,6 +243,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ growth and release
 
+    @_checked
     def add_token(self, request_id: int, n: int = 1, tokens: Seq[int] | None = None) -> None:
         """Grow a running sequence by ``n`` decoded tokens, allocating blocks at block boundaries.
 
@@ -257,11 +274,13 @@ class KVCacheManager:
         self._retention.apply(seq, first_new)
         self.pools.flush()
 
+    @_checked
     def store_context_blocks(self, request_id: int) -> None:
         """Make the prompt's full blocks reusable (after prefill wrote them)."""
         seq = self._running(request_id)
         self._store(seq, len(seq.request.tokens) // self.tokens_per_block)
 
+    @_checked
     def remove_sequence(self, request_id: int, pin: bool = False, store: bool = True) -> list[int]:
         """Finish a request: store its full blocks for reuse, then release them.
 
@@ -279,6 +298,7 @@ class KVCacheManager:
         self._pool.release(seq.blocks)
         return []
 
+    @_checked
     def pin_prefix(self, pin_id: int, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                    mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None,
                    max_blocks: int | None = None) -> list[int]:
@@ -314,6 +334,7 @@ class KVCacheManager:
         self._pinned[pin_id] = full
         return [b.slot for b in full]
 
+    @_checked
     def unpin_sequence(self, request_id: int) -> None:
         blocks = self._pinned.pop(request_id, None)
         if blocks is None:
@@ -373,10 +394,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ retention and clearing
 
+    @_checked
     def refresh_blocks(self) -> None:
         """Blocks whose retention duration has passed fall back to the default priority."""
         self._retention.refresh()
 
+    @_checked
     def clear(self) -> None:
         """Forget every reusable block (nothing may be running); announces ``AllBlocksCleared``."""
         if self._seqs or self._pinned:
@@ -439,6 +462,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ scheduling
 
+    @_checked
     def start_scheduling(self) -> None:
         """Open a scheduling round: tentative releases are counted apart from the real books."""
         for seq in self._seqs.values():
@@ -446,6 +470,7 @@ class KVCacheManager:
                 b.sched_ref_count = b.ref_count
         self._sched_free = self._pool.num_free(PRIMARY)
 
+    @_checked
     def scheduling_remove_sequence(self, request_id: int) -> None:
         """Count the blocks that pausing ``request_id`` would free in this round."""
         for b in self._running(request_id).blocks:

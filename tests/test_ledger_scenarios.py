@@ -164,6 +164,24 @@ def test_retention_expires_by_injected_clock():
     mgr.check_integrity()
 
 
+def test_without_block_reuse_the_pool_is_a_plain_allocator():
+    mgr = make_manager(primary=6, secondary=4, enable_block_reuse=False)
+    assert serve(mgr, make_request(1, A)) == 0
+    assert mgr.get_block_ids(1) == [0, 1, 2]                 # ascending slots, as with reuse on
+    mgr.remove_sequence(1)
+    assert mgr.add_sequence(make_request(2, A)) == 0, "nothing is matched"
+    assert mgr.get_block_ids(2) == [3, 4, 5], "free blocks recycle in LRU order, none kept for reuse"
+    mgr.store_context_blocks(2)
+    mgr.remove_sequence(2)
+    events = mgr.take_events()
+    assert not [e for e in events if isinstance(e, (BlockStored, BlockRemoved, BlockUpdated))], events
+    assert mgr.probe_prefix_match_length(A) == 0 and mgr.snapshot() == [] and mgr.pin_prefix(-1, A) == []
+    s = mgr.stats()
+    assert s.reused_blocks == 0 and s.cache_hit_rate == 0.0 and s.offloaded_blocks == 0 and s.free_num_blocks == 6
+    mgr.unpin_sequence(-1)
+    mgr.check_integrity()
+
+
 def test_release_never_stores_a_block_whose_last_token_has_no_kv():
     """An engine counts its final sampled token (as TensorRT-LLM does) before any step computes its KV: the block
     that token completes must not become reusable, or a later request would read a slot nobody wrote."""

@@ -33,6 +33,9 @@ class CacheConfig:
     """Byte budget of the device tier; the block count is what fits."""
     secondary_bytes: int | None = None
     """Byte budget of the host tier; the block count is what fits."""
+    enable_block_reuse: bool = True
+    """Keep full blocks in the prefix tree for later requests; off, the pool is a plain allocator: nothing is
+    matched, stored or announced as stored (TensorRT-LLM's ``enable_block_reuse``)."""
     enable_partial_reuse: bool = True
     """Reuse a cached block whose tokens only partly match the prompt's next block."""
     copy_on_partial_reuse: bool = True

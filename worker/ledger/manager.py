@@ -139,6 +139,8 @@ class KVCacheManager:
     def _match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
                extra_ids: Seq[int] | None, taken: set[int] = frozenset()) -> _Match:
         """Walk the tree with the prompt's keys; the last prompt token is never matched."""
+        if not self.config.enable_block_reuse:
+            return _Match([])
         T = self.tokens_per_block
         usable = len(tokens) - 1
         n_full = usable // T
@@ -351,7 +353,7 @@ class KVCacheManager:
 
     def _store(self, seq: Sequence, count: int) -> None:
         """Put the first ``count`` blocks of ``seq`` in the tree; announce the newly stored runs."""
-        if count <= 0:
+        if count <= 0 or not self.config.enable_block_reuse:
             return
         T = self.tokens_per_block
         c = seq.stored

@@ -164,6 +164,43 @@ def test_retention_expires_by_injected_clock():
     mgr.check_integrity()
 
 
+def test_draft_tokens_count_in_the_budgets_and_rejected_ones_are_rewound():
+    mgr = make_manager(primary=8)
+    req = make_request(1, A[:6], max_new_tokens=5, num_draft_tokens=3)
+    assert mgr.get_remaining_blocks_to_completion(req) == 4          # ceil((6 + 5 + 3) / 4)
+    serve(mgr, req)
+    assert mgr.get_block_ids(1) == [0, 1]
+    assert mgr.get_needed_blocks_one_step(1) == 1                    # 6 + 1 sampled + 3 drafts = 10 tokens: 3 blocks
+    mgr.add_token(1, 4, tokens=[50, 51, 52, 53])                     # the step: one sampled token, three drafts
+    assert mgr.get_block_ids(1) == [0, 1, 2] and mgr.num_tokens(1) == 10
+    mgr.take_events()
+    mgr.rewind(1, 2)                                                 # two drafts rejected: 8 tokens, 2 blocks
+    assert mgr.get_block_ids(1) == [0, 1] and mgr.num_tokens(1) == 8 and mgr.stats().free_num_blocks == 6
+    assert mgr.take_events() == [], "the rewound block held nothing stored"
+    assert mgr.get_needed_blocks_one_step(1) == 1
+    mgr.add_token(1, 4, tokens=[60, 61, 62, 63])                     # block 2 went to the free list's tail:
+    assert mgr.get_block_ids(1) == [0, 1, 3]                         # the least recently freed goes first
+    mgr.rewind(1, 3)
+    mgr.remove_sequence(1)
+    stored = [h for e in mgr.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    # 6 prompt + 50, 51 + 60 kept: 9 tokens, the last one unwritten: blocks 0 and 1 are stored
+    assert stored == block_hashes(A[:6] + [50, 51], 4)[1:2]
+    mgr.check_integrity()
+
+
+@pytest.mark.parametrize("n", [0, -1, 3, "2"])
+def test_rewind_refuses_what_was_not_generated_and_changes_nothing(n):
+    mgr = make_manager(primary=8)
+    serve(mgr, make_request(1, A[:6], max_new_tokens=2))
+    mgr.add_token(1, 2, tokens=[7, 8])
+    before = (mgr.get_block_ids(1), mgr.num_tokens(1), mgr.stats())
+    with pytest.raises(ValueError, match="rewind: n must be an int in 1..2"):
+        mgr.rewind(1, n)
+    assert (mgr.get_block_ids(1), mgr.num_tokens(1), mgr.stats()) == before
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        mgr.add_sequence(make_request(2, A, num_draft_tokens=-1))
+
+
 def test_without_block_reuse_the_pool_is_a_plain_allocator():
     mgr = make_manager(primary=6, secondary=4, enable_block_reuse=False)
     assert serve(mgr, make_request(1, A)) == 0

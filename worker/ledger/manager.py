@@ -277,6 +277,28 @@ class KVCacheManager:
         self.pools.flush()
 
     @_checked
+    def rewind(self, request_id: int, n: int) -> None:
+        """Drop the last ``n`` tokens of a running request (its rejected draft tokens) and release the blocks
+        past the new end, last first; the prompt itself cannot be rewound.
+
+        The dropped tokens' KV was never stored (a block is stored only once its
+        every token is written and kept), so nothing reusable is lost.
+        """
+        seq = self._running(request_id)
+        generated = seq.num_tokens - len(seq.request.tokens)
+        if type(n) is not int or not 1 <= n <= generated:
+            raise ValueError(f"rewind: n must be an int in 1..{generated} (the tokens request {request_id} generated), "
+                             f"got {n!r}")
+        seq.num_tokens -= n
+        del seq.tokens[seq.num_tokens:]
+        keep = -(-seq.num_tokens // self.tokens_per_block)
+        full = seq.num_tokens // self.tokens_per_block
+        assert seq.stored <= full, f"request {request_id}: a stored block would be rewound"
+        del seq.keys[full:], seq.hashes[full:]
+        dropped, seq.blocks[keep:] = seq.blocks[keep:], []
+        self._pool.release(dropped)
+
+    @_checked
     def store_context_blocks(self, request_id: int) -> None:
         """Make the prompt's full blocks reusable (after prefill wrote them)."""
         seq = self._running(request_id)
@@ -447,14 +469,17 @@ class KVCacheManager:
             * self.tokens_per_block
 
     def get_needed_blocks_one_step(self, request_id: int) -> int:
-        """Blocks the next decode step of a running request must allocate (0 or 1)."""
+        """Blocks the next decode step of a running request must allocate: for the token it samples and its
+        ``num_draft_tokens`` drafts."""
         seq = self._running(request_id)
-        return 1 if seq.num_tokens // self.tokens_per_block >= len(seq.blocks) else 0
+        step = 1 + seq.request.num_draft_tokens
+        return max(0, -(-(seq.num_tokens + step) // self.tokens_per_block) - len(seq.blocks))
 
     def get_remaining_blocks_to_completion(self, request: Request) -> int:
-        """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded)."""
+        """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded), its last
+        step's draft tokens counted."""
         request.validate()
-        total = -(-(len(request.tokens) + request.max_new_tokens) // self.tokens_per_block)
+        total = -(-(len(request.tokens) + request.max_new_tokens + request.num_draft_tokens) // self.tokens_per_block)
         seq = self._seqs.get(request.request_id)
         if seq is not None:
             return max(0, total - len(seq.blocks))

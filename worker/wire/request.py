@@ -85,6 +85,9 @@ class Request:
     mm_keys: Sequence[MmKey] = ()
     extra_ids: list[int] | None = None
     retention: RetentionConfig | None = None
+    num_draft_tokens: int = 0
+    """Speculative tokens each decode step proposes besides the one it samples: a step adds ``1 + num_draft_tokens``
+    tokens, and the budgets count them (TensorRT-LLM's draft tokens); the rejected ones are rewound."""
 
     def validate(self) -> None:
         """Raise naming the first bad field; the ledger calls this before touching anything."""
@@ -95,5 +98,8 @@ class Request:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"request {self.request_id}: max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        if type(self.num_draft_tokens) is not int or self.num_draft_tokens < 0:
+            raise ValueError(f"request {self.request_id}: num_draft_tokens must be an int >= 0, "
+                             f"got {self.num_draft_tokens!r}")
         if self.retention is not None and not isinstance(self.retention, RetentionConfig):
             raise TypeError(f"request {self.request_id}: retention must be a RetentionConfig, got {type(self.retention).__name__}")

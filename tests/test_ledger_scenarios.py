@@ -164,6 +164,34 @@ def test_retention_expires_by_injected_clock():
     mgr.check_integrity()
 
 
+def test_reserve_then_commit_counts_each_free_block_once_and_changes_no_books():
+    mgr = make_manager(primary=8)
+    serve(mgr, make_request(1, A))
+    mgr.remove_sequence(1)                                  # A's 3 blocks: stored and free
+    serve(mgr, make_request(2, [7] * 8))                    # running: holds blocks 3, 4
+    mgr.take_events()
+    books = (mgr.stats(), [(b.ref_count, b.level) for b in mgr.blocks])
+    mgr.start_scheduling()
+    assert mgr.scheduling_num_free_blocks == 6
+    first, second = make_request(10, A + [1]), make_request(11, A[:8] + [2])
+    assert mgr.scheduling_add_sequence(first) == 4          # 1 new block + A's 3 blocks, free now
+    assert mgr.scheduling_add_sequence(second) == 1         # its 2 reused blocks were counted already
+    assert mgr.scheduling_num_free_blocks == 1
+    mgr.scheduling_remove_sequence(2)                       # pausing request 2 would free its 2 blocks
+    assert mgr.scheduling_num_free_blocks == 3
+    with pytest.raises(OutOfBlocksError, match="reserving request 12 in this round: needs 5"):
+        mgr.scheduling_add_sequence(make_request(12, [9] * 20))
+    assert mgr.scheduling_num_free_blocks == 3
+    assert (mgr.stats(), [(b.ref_count, b.level) for b in mgr.blocks]) == books and mgr.take_events() == []
+    assert mgr.add_sequences([first, second]) == [12, 8]    # the commit
+    assert mgr.commit_and_get_block_hashes(10) == block_hashes(A, 4)
+    mgr.add_token(10, 4, tokens=[20, 21, 22, 23])           # 17 tokens: block 3 is full, its last token unwritten
+    assert mgr.commit_and_get_block_hashes(10) == block_hashes(A + [1, 20, 21, 22], 4)
+    stored = [h for e in mgr.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == block_hashes(A + [1, 20, 21, 22], 4)[3:], "only the newly stored block is announced"
+    mgr.check_integrity()
+
+
 def test_draft_tokens_count_in_the_budgets_and_rejected_ones_are_rewound():
     mgr = make_manager(primary=8)
     req = make_request(1, A[:6], max_new_tokens=5, num_draft_tokens=3)

@@ -84,6 +84,8 @@ class KVCacheManager:
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, list[Block]] = {}
         self._sched_free = pool.num_primary
+        self._sched_taken: set[int] = set()
+        """Blocks a tentative admission of this scheduling round already counted."""
         self._reused = self._missed = 0
 
     @property
@@ -305,6 +307,17 @@ class KVCacheManager:
         self._store(seq, len(seq.request.tokens) // self.tokens_per_block)
 
     @_checked
+    def commit_and_get_block_hashes(self, request_id: int) -> list[int]:
+        """Store what of the request is written (its prompt's full blocks, and the decoded ones whose every
+        token's KV is) and return the hashes of all its full blocks, reused and newly stored, in order."""
+        seq = self._running(request_id)
+        T = self.tokens_per_block
+        count = max(len(seq.request.tokens) // T, seq.storable_blocks(T))
+        self._store(seq, count)
+        seq.ensure_keys(count, T)
+        return list(seq.hashes[:count])
+
+    @_checked
     def remove_sequence(self, request_id: int, pin: bool = False, store: bool = True) -> list[int]:
         """Finish a request: store its full blocks for reuse, then release them.
 
@@ -491,11 +504,35 @@ class KVCacheManager:
 
     @_checked
     def start_scheduling(self) -> None:
-        """Open a scheduling round: tentative releases are counted apart from the real books."""
-        for seq in self._seqs.values():
-            for b in seq.blocks:
+        """Open a scheduling round: tentative admissions and releases are counted apart from the real books."""
+        for holder in (*(seq.blocks for seq in self._seqs.values()), *self._pinned.values()):
+            for b in holder:
                 b.sched_ref_count = b.ref_count
         self._sched_free = self._pool.num_free(PRIMARY)
+        self._sched_taken = set()
+
+    @_checked
+    def scheduling_add_sequence(self, request: Request) -> int:
+        """Reserve, in this round, what admitting ``request`` would take out of the free queue; returns it.
+
+        That is its new blocks, a primary block for each host-tier block it would
+        onboard, and the blocks it would reuse that are free in this round (free
+        now, or tentatively released by ``scheduling_remove_sequence``), each
+        counted once per round. The books do not change: ``add_sequences`` commits.
+        Raises ``OutOfBlocksError`` (reserving nothing) when the round lacks them.
+        """
+        request.validate()
+        (plan,) = self._plan([request])
+        m = plan.match
+        take = plan.new_blocks
+        reused = [b for b in self._to_onboard(m) if b.block_id not in self._sched_taken]
+        free_now = [b for b in reused if (b.sched_ref_count if b.ref_count else 0) == 0]
+        take += len(free_now) + sum(1 for b in reused if b.tier == SECONDARY)
+        if take > self._sched_free:
+            raise OutOfBlocksError(take, self._sched_free, f"reserving request {request.request_id} in this round")
+        self._sched_free -= take
+        self._sched_taken.update(b.block_id for b in reused)
+        return take
 
     @_checked
     def scheduling_remove_sequence(self, request_id: int) -> None:

@@ -266,11 +266,12 @@ def test_release_never_stores_a_block_whose_last_token_has_no_kv():
     for pos, tok in ((6, 50), (7, 51)):
         mgr.add_token(2, 1, tokens=[tok])
         write_kv(mgr, make_request(2, prompt), pos, pos + 1, prompt + [50, 51])
-    mgr.add_token(2, 1, tokens=[52])
     mgr.take_events()
-    mgr.remove_sequence(2)
+    mgr.add_token(2, 1, tokens=[52])                          # stored as soon as it is written (item 10)
     stored = [h for e in mgr.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
     assert stored == [block_hashes(prompt + [50, 51], 4)[1]]
+    mgr.remove_sequence(2)
+    assert not [e for e in mgr.take_events() if isinstance(e, BlockStored)], "nothing more at release"
     mgr.check_integrity()
 
 

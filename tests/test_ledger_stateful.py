@@ -25,7 +25,9 @@ class LedgerMachine(RuleBasedStateMachine):
     @initialize(partial=st.booleans(), copy=st.booleans(), offload_min=st.sampled_from([0, 30, 60]))
     def setup(self, partial, copy, offload_min):
         self.clock = FakeClock()
-        self.mgr = make_manager(primary=10, secondary=4, clock=self.clock, enable_partial_reuse=partial,
+        # a host tier of 8: decode blocks are stored as they fill, and prompt blocks must outlast them there for
+        # the repeated prompts to be onboarded
+        self.mgr = make_manager(primary=10, secondary=8, clock=self.clock, enable_partial_reuse=partial,
                                 copy_on_partial_reuse=copy, offload_min_priority=offload_min)
         self.running: dict[int, Request] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -134,3 +136,50 @@ def test_random_workloads_keep_the_books_and_the_kv():
                                                                phases=[Phase.generate]))
     assert LedgerMachine.steps >= 2000, f"only {LedgerMachine.steps} steps ran"
     assert LedgerMachine.reused > 50 and LedgerMachine.onboarded > 5, (LedgerMachine.reused, LedgerMachine.onboarded)
+
+
+class DraftsAndRounds(LedgerMachine):
+    """The same workloads, plus rejected drafts rewound and scheduling rounds that reserve and release."""
+
+    rewinds = 0
+    rounds = 0
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def rewind(self, data):
+        """Rejected drafts: the last tokens go, and so do the blocks past the new end."""
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        try:
+            self.mgr.rewind(rid, data.draw(st.integers(1, 3)))
+        except ValueError:   # more than it generated past its prompt and stored blocks: refused, unchanged
+            return
+        del self.tokens[rid][self.mgr.num_tokens(rid):]
+        DraftsAndRounds.rewinds += 1
+
+    @rule(tokens=st.lists(prompts, min_size=1, max_size=3))
+    def schedule_round(self, tokens):
+        """A scheduling round reserves and tentatively releases; only the commit changes the books."""
+        before = (self.mgr.stats(), [(b.ref_count, b.level, b.tier) for b in self.mgr.blocks])
+        self.mgr.start_scheduling()
+        free = self.mgr.scheduling_num_free_blocks
+        for rid in sorted(self.running)[:1]:
+            self.mgr.scheduling_remove_sequence(rid)
+        for t in tokens:
+            try:
+                taken = self.mgr.scheduling_add_sequence(Request(10**6 + self.next_id, t, max_new_tokens=4))
+            except OutOfBlocksError:
+                continue
+            assert 0 <= taken
+        assert self.mgr.scheduling_num_free_blocks <= free + 10
+        assert (self.mgr.stats(), [(b.ref_count, b.level, b.tier) for b in self.mgr.blocks]) == before
+        DraftsAndRounds.rounds += 1
+
+
+def test_rewinds_and_scheduling_rounds_keep_the_books_and_the_kv():
+    LedgerMachine.steps = DraftsAndRounds.rewinds = DraftsAndRounds.rounds = 0
+    run_state_machine_as_test(DraftsAndRounds, settings=settings(max_examples=40, stateful_step_count=60,
+                                                                 deadline=None, database=None, derandomize=True,
+                                                                 phases=[Phase.generate]))
+    assert LedgerMachine.steps >= 1500, f"only {LedgerMachine.steps} steps ran"
+    assert DraftsAndRounds.rewinds > 10 and DraftsAndRounds.rounds > 100, (DraftsAndRounds.rewinds,
+                                                                          DraftsAndRounds.rounds)

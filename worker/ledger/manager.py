@@ -252,7 +252,11 @@ class KVCacheManager:
         """Grow a running sequence by ``n`` decoded tokens, allocating blocks at block boundaries.
 
         Pass the token ids to make full decode blocks reusable; without them the
-        sequence stops being storable from here on.
+        sequence stops being storable from here on. With the ids, a decode block
+        is stored (reusable by a parallel request, announced) as soon as it is
+        written, as TensorRT-LLM's ``storeNewBlock`` does: once every token in it
+        has its KV: every token before this step's ``n`` (this step computes
+        those), the previous step's rejected drafts having been rewound.
         """
         seq = self._running(request_id)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -277,6 +281,8 @@ class KVCacheManager:
         seq.num_tokens += n
         self._retention.apply(seq, first_new)
         self.pools.flush()
+        if not seq.opaque:   # everything before this step's tokens is written (rejected drafts were rewound)
+            self._store(seq, (seq.num_tokens - n) // self.tokens_per_block)
 
     @_checked
     def rewind(self, request_id: int, n: int) -> None:
@@ -287,10 +293,10 @@ class KVCacheManager:
         every token is written and kept), so nothing reusable is lost.
         """
         seq = self._running(request_id)
-        generated = seq.num_tokens - len(seq.request.tokens)
+        generated = seq.num_tokens - max(len(seq.request.tokens), seq.stored * self.tokens_per_block)
         if type(n) is not int or not 1 <= n <= generated:
-            raise ValueError(f"rewind: n must be an int in 1..{generated} (the tokens request {request_id} generated), "
-                             f"got {n!r}")
+            raise ValueError(f"rewind: n must be an int in 1..{generated} (the tokens request {request_id} generated "
+                             f"past its prompt and its stored blocks), got {n!r}")
         seq.num_tokens -= n
         del seq.tokens[seq.num_tokens:]
         keep = -(-seq.num_tokens // self.tokens_per_block)

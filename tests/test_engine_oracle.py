@@ -256,3 +256,30 @@ def test_bad_input_is_refused_before_the_ledger_changes() -> None:
         engine.serve(KVCacheManager(make_config(materialize=False)), [req([1, 2])])
     assert mgr.take_events() == [] and mgr.stats().alloc_total_blocks == 0
     assert engine.serve(mgr, []) == []
+
+
+def test_a_speculative_step_with_rejected_drafts_gives_the_logits_of_the_accepted_sequence() -> None:
+    """Drafts are written, two are rejected and rewound, decoding goes on over their slots: the next token's
+    logits equal those of the accepted sequence computed from scratch, and the reused prefix later serves it."""
+    cfg = make_config()
+    engine = ReferenceEngine(cfg)
+    mgr = KVCacheManager(cfg)
+    prompt = tokens(10, seed=40)
+    sampled, drafts, accepted_next = 7, [11, 12, 13], 99
+    mgr.add_sequence(Request(1, prompt, max_new_tokens=8, num_draft_tokens=3))
+    engine.model.forward(mgr.pools.primary, mgr.block_table([1]), [prompt], [0])
+    mgr.store_context_blocks(1)
+    assert mgr.get_needed_blocks_one_step(1) == 1            # 10 + 1 + 3 tokens need a fourth block
+    mgr.add_token(1, 4, tokens=[sampled, *drafts])
+    engine.model.forward(mgr.pools.primary, mgr.block_table([1]), [[sampled, *drafts]], [10])
+    mgr.rewind(1, 2)                                         # drafts 12 and 13 rejected
+    mgr.add_token(1, 1, tokens=[accepted_next])              # written over the first rejected draft's slot
+    spec = engine.model.forward(mgr.pools.primary, mgr.block_table([1]), [[accepted_next]], [12])[-1]
+    mgr.remove_sequence(1)
+    mgr.check_integrity()
+    sequence = prompt + [sampled, drafts[0], accepted_next]
+    scratch = from_scratch(engine, cfg, req(sequence, max_new=0))
+    assert torch.allclose(spec.float().cpu(), scratch.last_logits, atol=ATOL, rtol=RTOL)
+    again = serve_one(engine, mgr, req(sequence, max_new=0))
+    assert again.cached_tokens == 12, "the prompt block and the accepted decode block are reused"
+    assert_matches_scratch(engine, cfg, req(sequence, max_new=0), again)

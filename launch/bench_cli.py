@@ -14,18 +14,13 @@ from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
-from kvledger.replay.config import (CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, TINY_BLOCK_SIZE,
-                                    TinyOptions)
-from kvledger.replay.simulator import SimCosts
+from typing import TYPE_CHECKING
 
-_COST_HELP = {
-    "prefill_tokens_per_s": "prompt tokens one rank computes per second",
-    "kv_bytes_per_token": "KV bytes per token (8B model: 32 layers x 8 KV heads x 128 x K,V x fp16 = 131072)",
-    "pcie_gbytes_per_s": "host-to-device GB/s, for onboarding blocks from the host tier",
-    "nvlink_gbytes_per_s": "rank-to-rank GB/s, for migrating blocks",
-    "migrate_setup_s": "fixed seconds per migration",
-    "decode_s_per_token": "seconds per decode step (each running request gets one token per step)",
-}
+if TYPE_CHECKING:   # the replay library imports torch; ``kvledger --help`` lists this sub-command without it
+    from kvledger.replay.simulator import SimCosts
+
+#: The sub-command's one-line help, for the top-level listing.
+HELP = "replay a request trace through the router and ledgers, every policy side by side"
 
 
 def _number(parse: Callable[[str], float], ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
@@ -48,8 +43,13 @@ _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive num
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns its parser."""
+    from kvledger.launch.flags import attribute_docs
+    from kvledger.replay.config import (CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS,
+                                        TINY_BLOCK_SIZE)
+    from kvledger.replay.simulator import SimCosts
+
     p = subparsers.add_parser(
-        "bench", help="replay a request trace through the router and ledgers, every policy side by side",
+        "bench", help=HELP,
         description="Replay a Mooncake trace (or a synthetic one) through the real router (index, probe, policy) "
                     "and one metadata-only ledger per rank, in simulated time (--engine sim), or over HTTP "
                     "through a real local cluster running the reference engine, times measured (--engine tiny); "
@@ -95,14 +95,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help=f"--engine tiny: outputs capped at N tokens (default {MAX_OUTPUT_TOKENS})")
     p.add_argument("--concurrency", type=_positive_int, default=CONCURRENCY, metavar="N",
                    help=f"--engine tiny: threads sending requests, the most in flight at once (default {CONCURRENCY})")
-    defaults = SimCosts()
+    defaults, docs = SimCosts(), attribute_docs(SimCosts)
     for f in fields(SimCosts):
         p.add_argument("--" + f.name.replace("_", "-"), type=float, default=getattr(defaults, f.name),
-                       metavar="X", help=f"{_COST_HELP[f.name]} (default {getattr(defaults, f.name):g})")
+                       metavar="X", help=f"{docs[f.name]} (default {getattr(defaults, f.name):g})")
     return p
 
 
 def _costs(args: argparse.Namespace) -> SimCosts:
+    from kvledger.replay.simulator import SimCosts
+
     values = {}
     for f in fields(SimCosts):
         v = getattr(args, f.name)
@@ -126,7 +128,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvledger.replay import report
-    from kvledger.replay.config import BenchConfig
+    from kvledger.replay.config import BenchConfig, TinyOptions
     from kvledger.replay.runner import run
 
     err = Console(stderr=True)

@@ -195,19 +195,19 @@ _COMMANDS: dict[str, tuple[str, AddFlags] | None] = {
 def _parser(command: str | None) -> tuple[argparse.ArgumentParser, Run | None]:
     """The parser with every sub-command and the flags of ``command`` only; and ``command``'s action.
 
-    ``bench``'s module imports torch, so its sub-parser is added only when it runs or the sub-commands are
-    listed (no known ``command``).
+    ``bench``'s flags come from the replay library, which imports torch, so they are built only when it runs.
     """
     p = argparse.ArgumentParser(prog="kvledger", description="KV-cache coordinator for multi-GPU LLM serving")
     sub = p.add_subparsers(dest="command", required=True)
     run = None
     for name, spec in _COMMANDS.items():
         if spec is None:
-            if name == command or command not in _COMMANDS:
-                from kvledger.launch.bench_cli import add_bench_parser, run_bench
-                add_bench_parser(sub)
-                if name == command:
-                    run = run_bench
+            from kvledger.launch import bench_cli
+            if name == command:
+                bench_cli.add_bench_parser(sub)
+                run = bench_cli.run_bench
+            else:
+                sub.add_parser(name, help=bench_cli.HELP)
             continue
         text, add_flags = spec
         parser = sub.add_parser(name, help=text, description=text)

@@ -35,13 +35,15 @@ class BlockPool:
     """
 
     __slots__ = ("config", "num_primary", "num_secondary", "pools", "blocks", "eviction", "tree", "events",
-                 "alloc_total", "alloc_new", "offloaded", "onboarded", "clock", "expiry")
+                 "alloc_total", "alloc_new", "offloaded", "onboarded", "clock", "expiry", "timed")
 
     def __init__(self, config: CacheConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.clock = clock
         self.expiry: list[tuple[float, int]] = []
         """``(expires_at, block id)`` of released blocks with a retention duration; stale entries are skipped."""
+        self.timed = False
+        """Whether any block was ever given a retention duration: until then releases skip the countdowns."""
         n_primary, n_secondary = config.primary_blocks(), config.secondary_blocks()
         self.num_primary, self.num_secondary = n_primary, n_secondary
         self.pools = TieredPools(config, n_primary, n_secondary)
@@ -77,7 +79,7 @@ class BlockPool:
         if b.ref_count == 0:
             if b.node is None:
                 self._wipe(b)
-            elif b.duration_s is not None:
+            elif self.timed and b.duration_s is not None:
                 self._start_countdown(b)
             self.eviction.release(b)
 
@@ -90,9 +92,11 @@ class BlockPool:
             if b.ref_count == 0:
                 if b.node is None:
                     self._wipe(b)
-                elif b.duration_s is not None:
-                    self._start_countdown(b)
                 freed.append(b)
+        if self.timed:
+            for b in freed:
+                if b.duration_s is not None and b.node is not None:
+                    self._start_countdown(b)
         self.eviction.release_n(freed)
 
     def _start_countdown(self, b: Block) -> None:

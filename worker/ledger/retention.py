@@ -45,6 +45,8 @@ class Retention:
             pri, dur = retention.for_block(i * T, (i + 1) * T, prompt_len)
             b = seq.blocks[i]
             b.duration_s = dur
+            if dur is not None:
+                self._pool.timed = True
             if b.priority != pri:
                 if b.block_hash is not None:
                     self._pool.events.put(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,

@@ -15,7 +15,7 @@ every step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvledger.router.policies import RankState
 
@@ -39,7 +39,8 @@ class _RankAccount:
     queued: int = 0
     queued_tokens: int = 0
     """Prompt tokens of the queued requests that have not started their prefill."""
-    started: list[Dispatch] | None = None
+    started: list[Dispatch] = field(default_factory=list)
+    """Queued requests whose prefill has begun."""
     running: int = 0
     running_blocks: int = 0
 
@@ -64,8 +65,6 @@ class LoadAccount:
             return
         d.started_at, d.duration = now, duration
         a.queued_tokens -= d.prefill_tokens
-        if a.started is None:
-            a.started = []
         a.started.append(d)
 
     def prefilled(self, d: Dispatch) -> None:
@@ -73,11 +72,7 @@ class LoadAccount:
         a = self._ranks.get(d.rank)
         if a is None:
             return
-        a.queued -= 1
-        if d.started_at is None:
-            a.queued_tokens -= d.prefill_tokens
-        else:
-            a.started.remove(d)
+        _leave_queue(a, d)
         d.prefilled = True
         a.running += 1
         a.running_blocks += d.blocks
@@ -91,11 +86,7 @@ class LoadAccount:
             a.running -= 1
             a.running_blocks -= d.blocks
         else:
-            a.queued -= 1
-            if d.started_at is None:
-                a.queued_tokens -= d.prefill_tokens
-            else:
-                a.started.remove(d)
+            _leave_queue(a, d)
 
     def forget(self, rank: int) -> None:
         """``rank`` left: nothing dispatched to it counts any more."""
@@ -106,7 +97,7 @@ class LoadAccount:
         a = self._ranks.get(rank)
         if a is None:
             return 0, 0
-        started = sum(d.prefill_tokens for d in a.started) if a.started else 0
+        started = sum(d.prefill_tokens for d in a.started)
         return a.queued + a.running, a.queued_tokens + started
 
     def state(self, rank: int, now: float, kv_used_blocks: int = 0, kv_total_blocks: int = 0) -> RankState:
@@ -115,8 +106,17 @@ class LoadAccount:
         if a is None:
             return RankState(rank, True, kv_used_blocks=kv_used_blocks, kv_total_blocks=kv_total_blocks)
         pending = a.queued_tokens
-        for d in a.started or ():
+        for d in a.started:
             if d.duration > 0:
                 pending += int(d.prefill_tokens * max(0.0, d.started_at + d.duration - now) / d.duration)
         return RankState(rank, True, a.queued, pending, a.running, a.running_blocks, kv_used_blocks,
                          kv_total_blocks)
+
+
+def _leave_queue(a: _RankAccount, d: Dispatch) -> None:
+    """``d`` is no longer queued on its rank: its prompt tokens (or its started prefill) stop counting."""
+    a.queued -= 1
+    if d.started_at is None:
+        a.queued_tokens -= d.prefill_tokens
+    else:
+        a.started.remove(d)

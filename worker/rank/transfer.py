@@ -184,9 +184,7 @@ class TransferEndpoints:
         aborted: nothing unwritten is ever stored.
         """
         with self.books.lock:
-            slots = self._held.get(import_id)
-            if slots is None:
-                raise KeyError(f"no import {import_id} in progress on rank {self.books.rank}")
+            slots = self._slots_of(import_id)
             pool = self.books.ledger().pools.primary
             direct = contiguous_view(pool, slots)
             buf, kept = (direct, False) if direct is not None else self._recv_staging.take(len(slots), pool)
@@ -213,9 +211,7 @@ class TransferEndpoints:
         A buffer of the wrong shape aborts the import (nothing is stored) and raises ``ValueError``.
         """
         with self.books.lock:
-            slots = self._held.get(import_id)
-            if slots is None:
-                raise KeyError(f"no import {import_id} in progress on rank {self.books.rank}")
+            slots = self._slots_of(import_id)
             mgr = self.books.ledger()
             want = (len(slots), *self.books.template.block_shape)
             if data is None or tuple(data.shape) != want:
@@ -229,15 +225,20 @@ class TransferEndpoints:
     def import_commit(self, import_id: int) -> int:
         """Books-only path: store the import's blocks with no data to write (a ledger without tensors only)."""
         with self.books.lock:
-            slots = self._held.get(import_id)
-            if slots is None:
-                raise KeyError(f"no import {import_id} in progress on rank {self.books.rank}")
+            slots = self._slots_of(import_id)
             if self.books.ledger().pools.primary is not None:
                 self._abort(import_id)
                 raise ValueError(f"import {import_id}: this ledger keeps KV tensors; committing without data "
                                  "would store blocks whose KV was never written")
             self._store(import_id)
         return len(slots)
+
+    def _slots_of(self, import_id: int) -> list[int]:
+        """The slots import ``import_id`` still has to write (the caller holds the lock)."""
+        slots = self._held.get(import_id)
+        if slots is None:
+            raise KeyError(f"no import {import_id} in progress on rank {self.books.rank}")
+        return slots
 
     def import_abort(self, import_id: int) -> None:
         """Give the import's blocks back without storing any (idempotent)."""

@@ -28,9 +28,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.coordinator.liveness import Liveness
 from kvledger.coordinator.migration import Migrator
 from kvledger.coordinator.rank_client import RayRankClient
+from kvledger.router.liveness import Liveness
 from kvledger.router.rank_client import RankDiedError
 from kvledger.worker.rank.actor import rank_actor_class
 from kvledger.worker.rank.worker import RankWorker
@@ -89,6 +89,9 @@ class Cluster:
 
         ``worker_cls`` is what each actor runs: ``RankWorker``, or a subclass (benchmarks add raw transfers).
         """
+        if config.num_ranks == 0:
+            raise ValueError("a cluster of 0 ranks has no actors to start (`kvledger up --ranks 0` runs the router "
+                             "alone, in front of vLLM servers)")
         device = _resolve_device(config)
         n = config.num_ranks
         gpu = device == "cuda"

@@ -23,7 +23,7 @@ class ClusterConfig:
     """One cluster of rank actors; the CLI's ``up`` flags are built from these fields."""
 
     num_ranks: int = 2
-    """Rank actors (one per GPU on a GPU cluster)."""
+    """Rank actors (one per GPU on a GPU cluster); 0: none, the router fronts vLLM servers only (``--vllm``)."""
     device: DeviceChoice = "auto"
     """``cuda`` (one GPU per rank, NCCL), ``cpu`` (fractional CPUs, gloo) or ``auto`` (CUDA when the cluster
     has a GPU for every rank)."""
@@ -55,8 +55,8 @@ class ClusterConfig:
     """Reference-engine seed: the same on every rank, so any rank's KV is valid on any other."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
-            raise ValueError(f"ClusterConfig.num_ranks must be an int >= 1, got {self.num_ranks!r}")
+        if not isinstance(self.num_ranks, int) or self.num_ranks < 0:
+            raise ValueError(f"ClusterConfig.num_ranks must be an int >= 0, got {self.num_ranks!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"ClusterConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.primary_bytes_per_rank is not None and len(self.primary_bytes_per_rank) != self.num_ranks:

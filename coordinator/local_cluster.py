@@ -13,8 +13,8 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-from kvledger.coordinator.liveness import Liveness
 from kvledger.coordinator.migration import Migrator
+from kvledger.router.liveness import Liveness
 from kvledger.router.rank_client import RankDiedError
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.rank.worker import RankWorker

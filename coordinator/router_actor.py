@@ -74,7 +74,7 @@ class RouterHost:
     def __init__(self, cluster_config: ClusterConfig, actors: list, device: str, config: RouterActorConfig) -> None:
         self.config = config
         self.cluster = Cluster(cluster_config, actors, device)
-        self.service = RouterService(self.cluster, config.router)
+        self.service = RouterService(self.cluster if actors else None, config.router)
         self._self_handle = _own_handle()
         self._stop = threading.Event()
         self.server = HttpServer(make_app(self.service), config.host, config.port).start()
@@ -116,10 +116,9 @@ class RouterHost:
     def _maintain(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
             try:
-                back = self.cluster.check_health()
+                back = self.service.check_health()   # own ranks and vLLM servers alike; the index follows
                 if back:
                     logger.info("rank(s) %s are back", back)
-                self.service.feed.sync()
                 self._attach_all()   # idempotent; restarts the publisher of a rank that restarted
                 self.service.refresh_loads(force=True)
             except Exception:  # keep maintaining: one bad round must not stop the router's upkeep
@@ -145,7 +144,7 @@ def start_router(cluster: Cluster, config: RouterActorConfig = RouterActorConfig
     tpb = cluster.config.cache.tokens_per_block
     if config.router.tokens_per_block != tpb:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router, tokens_per_block=tpb))
-    if cluster.block_counts is None:
+    if cluster.actors and cluster.block_counts is None:
         raise ValueError("the cluster has not agreed block counts yet; start the router after Cluster.start")
     opts = dict(name=name, namespace=cluster.config.namespace, num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),

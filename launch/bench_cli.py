@@ -13,7 +13,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the replay library imports torch; ``kvledger --help`` lists this sub-command without it
@@ -44,8 +43,7 @@ _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive num
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns its parser."""
     from kvledger.launch.flags import attribute_docs
-    from kvledger.replay.config import (CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS,
-                                        TINY_BLOCK_SIZE)
+    from kvledger.replay.config import CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, TINY_BLOCK_SIZE
     from kvledger.replay.simulator import SimCosts
 
     p = subparsers.add_parser(
@@ -69,10 +67,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--tokens-per-block", type=_positive_int, default=None, metavar="T",
                    help="ledger block size (default: 512 for a Mooncake trace, 64 for synthetic; "
                         f"{TINY_BLOCK_SIZE} with --engine tiny)")
-    p.add_argument("--engine", default="sim", metavar="sim|tiny",
+    p.add_argument("--engine", default="sim", metavar="sim|tiny|vllm",
                    help="sim: simulated time, metadata-only ledgers (default); tiny: a real local cluster per "
                         "policy (rank actors, reference engine, router over HTTP on 127.0.0.1), times measured "
-                        "(TTFT = completion latency; prompts and outputs capped, see --max-input-tokens)")
+                        "(TTFT = completion latency; prompts and outputs capped, see --max-input-tokens); vllm: "
+                        "the vLLM servers of --vllm, caches reset before each policy, times measured")
+    p.add_argument("--vllm", action="append", default=[], metavar="URL",
+                   help="--engine vllm: a vLLM server, http://HOST:PORT (repeat for each; one rank each; started "
+                        "with VLLM_SERVER_DEV_MODE=1 so the bench can reset its prefix cache)")
     p.add_argument("--speed", type=_positive_float, default=1.0, metavar="X",
                    help="replay X times faster than the trace's timestamps (default 1)")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="K",
@@ -142,7 +144,8 @@ def run_bench(args: argparse.Namespace) -> int:
                              migration=not args.no_migration, jobs=args.jobs, costs=_costs(args),
                              tiny=TinyOptions(max_input_tokens=args.max_input_tokens,
                                               max_output_tokens=args.max_output_tokens,
-                                              concurrency=args.concurrency))
+                                              concurrency=args.concurrency),
+                             vllm=tuple(args.vllm))
         _check_outputs(args.json, args.plot)
     except ValueError as e:
         print(f"kvledger bench: error: {e}", file=sys.stderr)
@@ -164,19 +167,24 @@ def run_bench(args: argparse.Namespace) -> int:
     sim = result.sim
     title = (f"{result.trace.name}: {len(result.trace.requests)} requests, {sim.ranks} ranks, "
              f"{sim.capacity_blocks} blocks of {sim.tokens_per_block} tokens, speed {sim.speed:g}")
-    tiny = result.engine == "tiny"
-    if tiny:
-        title += (f", engine tiny (measured; prompts <= {config.tiny.max_input_tokens}, "
-                  f"outputs <= {config.tiny.max_output_tokens} tokens)")
+    measured = result.engine in ("tiny", "vllm")
+    if measured:
+        caps = result.extra[result.engine]
+        title += (f", engine {result.engine} (measured; prompts <= {caps['max_input_tokens']}, "  # type: ignore[index]
+                  f"outputs <= {caps['max_output_tokens']} tokens)")  # type: ignore[index]
     out = Console()
     if not out.is_terminal:
         out = Console(width=160)
     out.print(report.render_table(result.bounds, result.summaries, title))
     print(f"replayed in {result.wall_s:.1f} s wall")
-    if tiny:
-        print("engine tiny: TTFT and e2e are the measured completion latency from the scheduled arrival (the API "
-              "does not stream); load = seconds each rank had a request in flight")
-        for name, e in result.extra["tiny"]["policies"].items():  # type: ignore[index, union-attr]
+    if measured:
+        print(f"engine {result.engine}: TTFT and e2e are the measured completion latency from the scheduled "
+              "arrival; load = seconds each rank had a request in flight")
+        for name, e in result.extra[result.engine]["policies"].items():  # type: ignore[index, union-attr]
+            predicted, delivered = e["predicted_cached_tokens"], e["delivered_cached_tokens"]
+            ratio = f"{delivered / predicted:.3f}" if predicted else "-"
+            print(f"{name}: cached tokens predicted by the index {predicted}, delivered by the ranks {delivered}, "
+                  f"delivered/predicted {ratio}")
             if e["failed"] or e["inconsistent"]:
                 print(f"{name}: {e['failed']} request(s) failed, {e['inconsistent']} with cached + computed != "
                       f"prompt tokens; first errors: {e['errors']}", file=sys.stderr)
@@ -184,6 +192,6 @@ def run_bench(args: argparse.Namespace) -> int:
         report.write_json(args.json, report.to_json(result.meta(), result.bounds, result.summaries))
         print(f"wrote {args.json}")
     if args.plot:
-        report.write_plot(args.plot, result.bounds, result.summaries, result.runs, title, measured=tiny)
+        report.write_plot(args.plot, result.bounds, result.summaries, result.runs, title, measured=measured)
         print(f"wrote {args.plot}")
     return 0

@@ -146,10 +146,11 @@ def _route(p: argparse.ArgumentParser) -> Run:
     p.add_argument("--url", default=None, help="router URL (default: the running cluster's, else :8000)")
     p.add_argument("--salt", default=None, help="cache salt: only prompts with the same salt share KV")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--model", default=None, help="a model of the router's /v1/models (default: the first)")
 
     def run(args: argparse.Namespace) -> int:
         from kvledger.launch.router_client import route
-        return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens)
+        return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens, model=args.model)
     return run
 
 

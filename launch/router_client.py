@@ -42,12 +42,14 @@ def _explain(e: httpx.HTTPError, url: str) -> str:
 
 
 def route(prompt: str, url: str | None = None, salt: str | None = None, max_tokens: int = 16,
-          timeout_s: float = 300.0, out: Callable[[str], None] = print) -> int:
-    """Send one completion; print the rank chosen, cached and computed tokens and the output text."""
+          timeout_s: float = 300.0, model: str | None = None, out: Callable[[str], None] = print) -> int:
+    """Send one completion; print the rank chosen, predicted, cached and computed tokens and the output text."""
     url = router_url(url)
     body: dict = {"prompt": prompt, "max_tokens": max_tokens}
     if salt is not None:
         body["cache_salt"] = salt
+    if model is not None:
+        body["model"] = model
     try:
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
     except httpx.HTTPError as e:
@@ -58,7 +60,8 @@ def route(prompt: str, url: str | None = None, salt: str | None = None, max_toke
         return 1
     res = r.json()
     kv = res["kvledger"]
-    out(f"rank {kv['rank']}  cached {kv['cached_tokens']}  computed {kv['computed_tokens']}  "
+    out(f"rank {kv['rank']}  model {res['model']}  predicted cached {kv['predicted_cached_tokens']}  "
+        f"cached {kv['cached_tokens']}  computed {kv['computed_tokens']}  "
         f"onboarded {kv['onboarded_blocks']} blocks  migrated {kv['migrated_blocks']} blocks")
     out(f"output: {res['choices'][0]['text']!r}")
     return 0
@@ -122,10 +125,12 @@ def _table(url: str, rank: int | None, seconds: float | None, history: int, refr
 
     def render() -> Group:
         c = _report(url)
+        ratio = "-" if c.router.delivered_ratio is None else f"{c.router.delivered_ratio:.2f}"
         t = Table(title=f"kvledger router {url}  policy {c.policy}  hit rate {c.router.hit_rate:.0%}  "
-                        f"completions {c.router.completions}")
-        for col in ("rank", "GPU used/free", "CPU used/free", "hit rate", "events/s", "events", "index blocks",
-                    "in flight", "served"):
+                        f"completions {c.router.completions}  cached delivered/predicted {ratio}  "
+                        f"events rejected {c.router.events_rejected}")
+        for col in ("rank", "GPU used/free", "CPU used/free", "hit rate", "events/s", "events",
+                    "index blocks", "in flight", "served", "predicted", "delivered", "rejected"):
             t.add_column(col, justify="right")
         for r in c.ranks:
             if rank is not None and r.rank != rank:
@@ -133,8 +138,9 @@ def _table(url: str, rank: int | None, seconds: float | None, history: int, refr
             gpu = "-" if r.blocks is None else f"{r.blocks['GPU'].used}/{r.blocks['GPU'].free}"
             cpu = "-" if r.blocks is None else f"{r.blocks['CPU'].used}/{r.blocks['CPU'].free}"
             hit = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}"
-            t.add_row(str(r.rank), gpu, cpu, hit, f"{r.events_per_s:.1f}", str(r.events_total),
-                      str(r.index_blocks), str(r.inflight_requests), str(r.completions))
+            t.add_row(str(r.rank) if r.engine is None else f"{r.rank} vLLM", gpu, cpu, hit,
+                      f"{r.events_per_s:.1f}", str(r.events_total), str(r.index_blocks), str(r.inflight_requests),
+                      str(r.completions), str(r.predicted_tokens), str(r.cached_tokens), _rejected(r.rejected))
         ev = Table(title="last events")
         for col in ("id", "rank", "batch", "type", "detail"):
             ev.add_column(col)
@@ -151,6 +157,10 @@ def _table(url: str, rank: int | None, seconds: float | None, history: int, refr
     finally:
         stop.set()
     return 0
+
+
+def _rejected(reasons: dict[str, int]) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in reasons.items()) or "0"
 
 
 def _detail(e: dict) -> str:

@@ -34,7 +34,8 @@ class ClusterState:
     name_prefix: str
     num_ranks: int
     device: str
-    block_counts: list[int]
+    block_counts: list[int] | None
+    """Agreed (device, host) blocks per rank; ``None`` for a cluster of no ranks of its own."""
     owner_pid: int
     """The ``kvledger up`` process holding the cluster (foreground or detached)."""
     owner_start: int | None

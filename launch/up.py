@@ -54,6 +54,11 @@ class UpOptions:
     def __post_init__(self) -> None:
         if self.workload is not None and self.router is None:
             raise ValueError(f"the {self.workload} workload is sent through the router; drop --no-router")
+        if self.cluster.num_ranks == 0:
+            if self.router is None or not self.router.router.vllm:
+                raise ValueError("--ranks 0 starts no rank of its own: give the router vLLM servers (--vllm URL)")
+            if self.workload is not None:
+                raise ValueError(f"the {self.workload} workload runs on kvledger's own ranks; --ranks 0 has none")
 
 
 def _ray_pids() -> list[tuple[int, int]]:
@@ -72,11 +77,12 @@ def _ray_pids() -> list[tuple[int, int]]:
 
 
 def _where(state: ClusterState) -> str:
-    return (f"kvledger cluster up: {state.num_ranks} rank(s) on {state.device}, "
-            f"{state.block_counts[0]} device + {state.block_counts[1]} host blocks per rank\n"
-            f"  Ray address   {state.address}  (namespace {state.namespace!r}, actors "
-            f"{state.name_prefix}-0..{state.num_ranks - 1})\n"
-            f"  Python        import coordinator, ray; from coordinator.cluster import Cluster\n"
+    blocks = ("no ranks of its own" if state.block_counts is None else
+              f"{state.block_counts[0]} device + {state.block_counts[1]} host blocks per rank")
+    actors = f"actors {state.name_prefix}-0..{state.num_ranks - 1}" if state.num_ranks else "no rank actors"
+    return (f"kvledger cluster up: {state.num_ranks} rank(s) on {state.device}, {blocks}\n"
+            f"  Ray address   {state.address}  (namespace {state.namespace!r}, {actors})\n"
+            f"  Python        import ray; from kvledger.coordinator.cluster import Cluster\n"
             f"                ray.init(address={state.address!r}, namespace={state.namespace!r}); "
             f"cluster = Cluster.connect()\n"
             + (f"  router        {state.router_url}  (kvledger route PROMPT | kvledger monitor)\n"
@@ -131,10 +137,14 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
     router_actor = None  # the router's handle: holding it keeps a non-detached router alive
     try:
         t0 = time.perf_counter()
-        cluster = Cluster.start(config)
-        out(f"started {config.num_ranks} rank actor(s) on {cluster.device} in {time.perf_counter() - t0:.1f} s; "
-            f"process group formed ({'nccl' if cluster.device == 'cuda' else 'gloo'}), "
-            f"agreed block counts (device, host) = {cluster.block_counts}")
+        if config.num_ranks:
+            cluster = Cluster.start(config)
+            out(f"started {config.num_ranks} rank actor(s) on {cluster.device} in {time.perf_counter() - t0:.1f} s; "
+                f"process group formed ({'nccl' if cluster.device == 'cuda' else 'gloo'}), "
+                f"agreed block counts (device, host) = {cluster.block_counts}")
+        else:
+            cluster = Cluster(config, [], "cpu")
+            out("no ranks of kvledger's own: the router fronts the vLLM servers only")
         if workload is not None:
             from kvledger.launch.workload import run_bundled
             assert options.router is not None, "UpOptions refuses a workload without a router"
@@ -156,7 +166,8 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
         state = ClusterState(address=node.gcs_address if node is not None else address,
                              namespace=config.namespace, name_prefix=config.name_prefix,
                              num_ranks=config.num_ranks, device=cluster.device,
-                             block_counts=list(cluster.block_counts), owner_pid=os.getpid(),
+                             block_counts=None if cluster.block_counts is None else list(cluster.block_counts),
+                             owner_pid=os.getpid(),
                              owner_start=start_time(os.getpid()), started_ray=address is None,
                              ray_pids=[p for p, _ in pids], ray_pid_starts=[s for _, s in pids],
                              router_url=router_url, router_name=router_name, ready=True)
@@ -269,7 +280,10 @@ def _connect(state: ClusterState):
     from kvledger.coordinator.ray_env import init_ray
 
     init_ray(address=state.address, namespace=state.namespace, ship_code=False, log_to_driver=False)
-    return ray, Cluster.connect(ClusterConfig(namespace=state.namespace, name_prefix=state.name_prefix))
+    config = ClusterConfig(namespace=state.namespace, name_prefix=state.name_prefix)
+    if state.num_ranks == 0:   # the router alone, in front of vLLM servers: no rank actors to find
+        return ray, Cluster(dataclasses.replace(config, num_ranks=0), [], state.device)
+    return ray, Cluster.connect(config)
 
 
 def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
@@ -292,12 +306,15 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
     st["address"] = state.address
     st["owner_pid"] = state.owner_pid
     st["router_url"] = state.router_url
+    st["router"] = _router_view(state.router_url)
     if as_json:
         out(json.dumps(st, indent=2, default=str))
         return 0
-    agreed = st["agreed_blocks"] or {}
-    out(f"cluster at {state.address}: {st['num_ranks']} rank(s), device {st['device']}, agreed blocks per rank: "
-        f"{agreed.get('device')} device, {agreed.get('host')} host; router {state.router_url or 'not running'}")
+    agreed = st["agreed_blocks"]
+    blocks = ("no ranks of its own" if not st["num_ranks"] else "no agreed block counts yet" if agreed is None
+              else f"agreed blocks per rank: {agreed['device']} device, {agreed['host']} host")
+    out(f"cluster at {state.address}: {st['num_ranks']} rank(s), device {st['device']}, {blocks}; "
+        f"router {state.router_url or 'not running'}")
     out(f"{'rank':>4} {'alive':>5} {'device':>7} {'in use':>7} {'free':>7} {'host in use':>11} {'served':>6}")
     for r in st["ranks"]:
         if not r["alive"]:
@@ -305,7 +322,34 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
             continue
         out(f"{r['rank']:>4} {'yes':>5} {r.get('device', '-'):>7} {r.get('device_blocks_used', '-'):>7} "
             f"{r.get('device_blocks_free', '-'):>7} {r.get('host_blocks_used', '-'):>11} {r['served_requests']:>6}")
+    view = st["router"]
+    if view is not None and "error" in view:
+        out(f"router: {view['error']}")
+    elif view is not None:
+        t = view["router"]
+        ratio = "-" if t["delivered_ratio"] is None else f"{t['delivered_ratio']:.2f}"
+        out(f"router: {t['completions']} completions, cached tokens delivered/predicted {ratio}, "
+            f"{t['events_rejected']} events rejected")
+        for f in view["foreign"]:
+            out(f"vLLM rank {f['rank']}: {f['endpoint']} {'live' if f['live'] else 'DOWN'}, "
+                f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed")
+        for r in {r["rank"]: r for r in [*view["ranks"], *view["foreign"]]}.values():
+            if r["rejected"]:
+                out(f"rank {r['rank']}: events rejected " + ", ".join(f"{n} {why}" for why, n in r["rejected"].items()))
     return 0 if all(r["alive"] for r in st["ranks"]) else 2
+
+
+def _router_view(url: str | None) -> dict | None:
+    """The router's own report (``GET /v1/cluster``), or why it could not be read."""
+    if url is None:
+        return None
+    import httpx
+    try:
+        r = httpx.get(f"{url}/v1/cluster", timeout=10.0)
+        r.raise_for_status()
+        return r.json()
+    except httpx.HTTPError as e:
+        return {"error": f"{url} does not answer ({type(e).__name__}: {e})"}
 
 
 def down(out: Callable[[str], None] = print, grace_s: float = 30.0) -> int:

@@ -53,7 +53,7 @@ SYNTHETIC = "synthetic"
 SYNTHETIC_BLOCK_SIZE = 64
 #: Requests of a generated trace when ``--limit`` is not given.
 SYNTHETIC_REQUESTS = 1000
-ENGINES = ("sim", "tiny")
+ENGINES = ("sim", "tiny", "vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +80,15 @@ class BenchConfig:
     """Processes replaying policies side by side; 0 = min(policies, CPU cores)."""
     costs: SimCosts = field(default_factory=SimCosts)
     tiny: TinyOptions = field(default_factory=TinyOptions)
-    """Prompt and output caps and client concurrency of ``engine="tiny"`` (``replay/tiny.py``)."""
+    """Prompt and output caps and client concurrency of ``engine="tiny"`` and ``"vllm"`` (``replay/tiny.py``)."""
+    vllm: tuple[str, ...] = ()
+    """``engine="vllm"``: the vLLM servers replayed through, one rank each (``replay/vllm.py``)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
+        if (self.engine == "vllm") != bool(self.vllm):
+            raise ValueError("--engine vllm replays through vLLM servers: give each with --vllm URL (and only then)")
         if self.policy != "all":
             for name in self.policy.split(","):
                 if name not in policy_names():

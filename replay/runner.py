@@ -17,6 +17,7 @@ from kvledger.replay.simulator import PolicyRun, RouteHasher, SimConfig, check_f
 from kvledger.replay.tiny import run_tiny
 from kvledger.replay.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, generate_synthetic,
                                    load_mooncake)
+from kvledger.replay.vllm import run_vllm
 
 
 def load_trace(config: BenchConfig) -> tuple[Trace, int]:
@@ -87,9 +88,12 @@ def run(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
         on_trace: Callable[[Trace, list[str]], None] | None = None) -> BenchResult:
     """Load, bound, replay, summarise. ``on_trace`` is told the trace and policies before replay starts
     (the CLI opens its progress bars there). ``engine="tiny"`` replays over HTTP through a real local cluster
-    instead (``kvledger.replay.tiny.run_tiny``)."""
+    instead (``kvledger.replay.tiny.run_tiny``), ``engine="vllm"`` through real vLLM servers
+    (``kvledger.replay.vllm.run_vllm``)."""
     if config.engine == "tiny":
         return run_tiny(config, progress, on_trace)
+    if config.engine == "vllm":
+        return run_vllm(config, progress, on_trace)
     wall0 = time.perf_counter()
     trace, tpb = load_trace(config)
     chains_of = BlockChains(trace.block_size, tpb)

@@ -106,6 +106,8 @@ class _Answer:
     output: int = 0
     sent: float = 0.0
     done: float = 0.0
+    predicted: int = 0
+    """Cached tokens the router's index predicted on the rank it chose."""
 
 
 def _union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -138,6 +140,9 @@ def _load_series(busy: list[list[tuple[float, float]]], makespan: float,
 
 class PolicyReplay:
     """Start a cluster and a router with ``policy``, replay the trace over HTTP, tear both down."""
+
+    rank_base = 0
+    """The router's number of the first rank (the ranks of a run are ``rank_base`` on, consecutive)."""
 
     def __init__(self, trace: Trace, tokens: list[list[int]], policy: str, sim: SimConfig, options: TinyOptions,
                  name: str) -> None:
@@ -224,10 +229,10 @@ class PolicyReplay:
                 else:
                     d = resp.json()
                     u, k = d["usage"], d["kvledger"]
-                    a = _Answer(True, "", int(k["rank"]), int(u["prompt_tokens"]),
+                    a = _Answer(True, "", int(k["rank"]) - self.rank_base, int(u["prompt_tokens"]),
                                 int(u["prompt_tokens_details"]["cached_tokens"]), int(k["computed_tokens"]),
                                 int(k["onboarded_blocks"]), int(k["migrated_blocks"]), int(u["completion_tokens"]),
-                                sent, done)
+                                sent, done, int(k["predicted_cached_tokens"]))
             except Exception as e:  # a failed request is reported, never fatal to the replay
                 a = _Answer(False, f"{type(e).__name__}: {e}", sent=sent, done=time.perf_counter() - t0)
             answers[i] = a
@@ -276,7 +281,8 @@ class PolicyReplay:
             "inconsistent": int(((cached + computed) != prompt).sum()) if len(A) else 0,
             "computed_tokens_per_rank": [int(computed[rank == r].sum()) for r in range(ranks)],
             "send_lag_max_s": round(max(lags, default=0.0), 4), "startup_s": round(startup_s, 2),
-            "replay_s": round(replay_s, 2)}
+            "replay_s": round(replay_s, 2), "predicted_cached_tokens": sum(a.predicted for a in A),
+            "delivered_cached_tokens": int(cached.sum())}
         return run, extra
 
 

@@ -27,6 +27,14 @@ class RouterConfig:
     """``refresh_loads`` asks the ranks at most this often (it is called before cluster summaries)."""
     max_retries: int = 8
     """Ranks a completion may be retried on when the rank it was sent to dies."""
+    vllm: tuple[str, ...] = ()
+    """vLLM OpenAI servers to route to as well, ``http://HOST:PORT`` each (their model, block size, events and
+    tokenizer are asked of the server)."""
+    tokenizer: str | None = None
+    """Tokenizer of the vLLM servers' text prompts (a folder with ``tokenizer.json``); default: the model's own
+    files when readable here, else the server's ``/tokenize``."""
+    engine_timeout_s: float = 10.0
+    """Timeout of the router's calls to a vLLM server other than completions."""
 
     def __post_init__(self) -> None:
         if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
@@ -37,6 +45,13 @@ class RouterConfig:
             raise ValueError("rate_window_s must be > 0 and load_refresh_s >= 0")
         if type(self.max_retries) is not int or self.max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
+        for url in self.vllm:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"vllm servers are http://HOST:PORT, got {url!r}")
+        if len(set(self.vllm)) != len(self.vllm):
+            raise ValueError(f"vllm lists a server twice: {list(self.vllm)}")
+        if not self.engine_timeout_s > 0:
+            raise ValueError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s!r}")
         self.make_policy()   # an unknown policy or option fails here, naming it
 
     def make_policy(self) -> RoutingPolicy:

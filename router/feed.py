@@ -7,7 +7,10 @@ the rank's replay buffer no longer reaches back) it loads the rank's snapshot.
 A rank lost on any call leaves the index at once (``remove_rank``), and the
 owner is told (``on_removed``) so its own account of the rank goes too.
 Foreign engines (real vLLMs) feed the same index through their ZMQ publisher
-(``attach_vllm``), re-hashed by ``ForeignFeed``.
+(``attach_vllm``), re-hashed by ``ForeignFeed``, each at its own block size;
+one that leaves the live ranks leaves the index at once, its subscriber paused,
+and rejoins with a resync of its events (``sync``). Whatever the index cannot
+take is counted per rank and reason in ``rejections``.
 
 Locks: ``lock`` guards the index, the counters and the foreign engines, and is
 never held across a call to a rank (the event log locks itself). Each rank's
@@ -24,12 +27,13 @@ from dataclasses import dataclass
 
 from kvledger.router.event_log import EventLog, EventRecord, event_to_dict
 from kvledger.router.foreign import ForeignFeed
-from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex
-from kvledger.router.probe import PrefixMatch, match_prefix
+from kvledger.router.index import ApplyResult, ApplyStatus, BlockSizeError, PrefixIndex
+from kvledger.router.probe import PrefixMatch, match_all_sizes
 from kvledger.router.rank_client import RankDiedError, RankSet
+from kvledger.router.rejections import BLOCK_SIZE, INVALID, MALFORMED, Rejections
 from kvledger.router.stats import RateMeter
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot
-from kvledger.worker.wire.events import EventBatch, decode_batch
+from kvledger.worker.wire.events import EventBatch, EventDecodeError, decode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +52,12 @@ class FeedCounters:
 @dataclass(slots=True)
 class _ForeignEngine:
     endpoint: str
+    name: str
+    """What the engine is called in reports: its server's URL, or its events endpoint."""
     subscriber: object
     """``router.vllm_events.VllmEventSubscriber`` (imported only when an engine is attached: it needs zmq)."""
+    routed: bool
+    """A rank of the ``RankSet`` (requests go to it), not only indexed: it follows the set's liveness."""
     thread: threading.Thread
 
 
@@ -63,6 +71,7 @@ class EventFeed:
         self.log = EventLog(log_size)
         self.lock = threading.Lock()
         self.ranks_removed = 0
+        self.rejections = Rejections()
         self._clock = clock
         self._rate_window_s = rate_window_s
         self._on_removed = on_removed
@@ -81,7 +90,11 @@ class EventFeed:
         Malformed bytes raise ``EventDecodeError`` (a ``ValueError``) and change nothing; batches of a rank
         reported down are dropped (``sync`` snapshots it when it is back).
         """
-        batch = decode_batch(data)
+        try:
+            batch = decode_batch(data)
+        except EventDecodeError as e:
+            self.rejections.add(rank, MALFORMED, f"batch {seq}: {e}")
+            raise
         if rank not in self.ranks.live():   # a late push from a rank already dropped: it rejoins by snapshot
             return ApplyResult(ApplyStatus.SNAPSHOT, 0, f"rank {rank} is down")
         with self._rank_lock(rank):
@@ -102,17 +115,27 @@ class EventFeed:
             return self._resync_locked(rank)
 
     def sync(self) -> None:
-        """Match the index to the live ranks: forget the gone, snapshot the new."""
+        """Match the index to the live ranks: forget the gone, snapshot the new; pause foreign engines that
+        left, resync those that are back."""
         live = set(self.ranks.live())
         with self.lock:
             known = set(self._known)
+            foreign = dict(self._foreign)
         for r in sorted(known - live):
             self.remove_rank(r)
-        for r in sorted(live - known):
+        for r in sorted(live - known - set(foreign)):
             try:
                 self.resync(r)
             except RankDiedError as e:
                 self.lost(e)
+        for r, f in sorted(foreign.items()):
+            if not f.routed:
+                continue
+            if r not in live and not f.subscriber.paused:
+                self.remove_rank(r)
+            elif r in live and f.subscriber.paused:
+                logger.info("vLLM engine %s (rank %d) answers again: resyncing its events", f.name, r)
+                f.subscriber.resync()
 
     def flush(self, rank: int) -> None:
         """Fetch and apply ``rank``'s pending events now (so the index reflects what it just did)."""
@@ -133,14 +156,25 @@ class EventFeed:
 
     def _apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
         with self.lock:
-            res = self.index.apply(rank, seq, batch)
+            try:
+                res = self.index.apply(rank, seq, batch)
+            except BlockSizeError as e:
+                self.rejections.add(rank, BLOCK_SIZE, f"batch {seq}: {e}")
+                raise
+            except (TypeError, ValueError) as e:
+                self.rejections.add(rank, INVALID, f"batch {seq}: {e}")
+                raise
             if res.status is ApplyStatus.APPLIED:
                 self._known.add(rank)
-                c = self._counter(rank)
-                c.batches += 1
-                c.events.add(len(batch.events))
-                self.log.append(rank, seq, batch.ts, [event_to_dict(e) for e in batch.events])
+                self._applied(rank, seq, batch)
         return res
+
+    def _applied(self, rank: int, seq: int, batch: EventBatch) -> None:
+        """Count and log an applied batch (under ``lock``): own ranks' and foreign engines' alike."""
+        c = self._counter(rank)
+        c.batches += 1
+        c.events.add(len(batch.events))
+        self.log.append(rank, seq, batch.ts, [event_to_dict(e) for e in batch.events])
 
     def _catch_up(self, rank: int, from_seq: int) -> ApplyResult:
         batches = self.ranks.client(rank).replay_events(from_seq)
@@ -180,11 +214,19 @@ class EventFeed:
     # ------------------------------------------------------------------ ranks leaving
 
     def remove_rank(self, rank: int) -> None:
-        """Forget ``rank`` at once: its blocks leave the index, and the owner forgets its account of it."""
+        """Forget ``rank`` at once: its blocks leave the index, and the owner forgets its account of it.
+
+        A foreign engine's subscriber pauses until ``sync`` sees the engine live again.
+        """
         with self.lock:
-            known = rank in self._known
+            engine = self._foreign.get(rank)
+            known = rank in self._known or (engine is not None and not engine.subscriber.paused)
             self._known.discard(rank)
-            self.index.remove_rank(rank)
+            if engine is not None:
+                engine.subscriber.pause()
+                self._foreign_feed.remove_rank(rank)
+            else:
+                self.index.remove_rank(rank)
             if known:
                 self.ranks_removed += 1
                 self.log.append(rank, -1, time.time(), [{"type": "RankRemoved"}])
@@ -199,10 +241,12 @@ class EventFeed:
 
     # ------------------------------------------------------------------ reading
 
-    def match(self, hashes: Sequence[int]) -> dict[int, PrefixMatch]:
-        """Every rank's longest held prefix of the chain ``hashes`` (ranks holding none are absent)."""
+    def match(self, tokens: Sequence[int], hashes: Sequence[int], lora_id: int | None = None,
+              cache_salt: str | None = None) -> dict[int, PrefixMatch]:
+        """Every rank's longest held prefix of prompt ``tokens`` at its block size (ranks holding none are
+        absent); ``hashes`` are the prompt's at the index's default size."""
         with self.lock:
-            return match_prefix(self.index, hashes)
+            return match_all_sizes(self.index, tokens, hashes, lora_id=lora_id, cache_salt=cache_salt)
 
     def counters(self, rank: int) -> tuple[int, float, int]:
         """``rank``'s events applied (total and per second) and batches applied."""
@@ -221,10 +265,20 @@ class EventFeed:
 
     # ------------------------------------------------------------------ foreign engines
 
-    def attach_vllm(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> int:
+    def next_foreign_rank(self) -> int:
+        """The rank the next attached engine gets."""
+        with self.lock:
+            return FOREIGN_RANK_BASE + len(self._foreign)
+
+    def attach_vllm(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", *,
+                    bind: bool | None = False, block_size: int | None = None, name: str | None = None,
+                    routed: bool = False) -> int:
         """Index a real vLLM engine's KV events (its ZMQ publisher) under a rank of its own; returns that rank.
 
-        Probes report how much of a prompt the engine holds; the router never sends it requests.
+        ``bind``: ``True``, the engine's publisher connects, so the router binds ``endpoint``; ``None``, bind
+        if the address is free here, else connect (``router.vllm_events``). ``block_size``: the engine's, when
+        its server told it; otherwise its first store does.
+        ``routed``: the engine is also a rank of the ``RankSet`` (``router.vllm_ranks``).
         """
         from kvledger.router.vllm_events import VllmEventSubscriber
 
@@ -232,19 +286,32 @@ class EventFeed:
             if any(f.endpoint == endpoint for f in self._foreign.values()):
                 raise ValueError(f"vLLM events from {endpoint} are already indexed")
             if self._foreign_feed is None:
-                self._foreign_feed = ForeignFeed(self.index)
+                self._foreign_feed = ForeignFeed(self.index, self.rejections, self._applied)
             rank = FOREIGN_RANK_BASE + len(self._foreign)
-            sub = VllmEventSubscriber(self._foreign_feed, rank, endpoint, replay_endpoint, topic, lock=self.lock)
+            if block_size is None:
+                self._foreign_feed.learn_block_size(rank)
+            else:
+                self.index.set_block_size(rank, block_size)
+            sub = VllmEventSubscriber(self._foreign_feed, rank, endpoint, replay_endpoint, topic, lock=self.lock,
+                                      bind=bind)
             thread = threading.Thread(target=sub.run, name=f"kvledger-vllm-{rank}", daemon=True)
-            self._foreign[rank] = _ForeignEngine(endpoint, sub, thread)
+            self._foreign[rank] = _ForeignEngine(endpoint, name or endpoint, sub, routed, thread)
         thread.start()
-        logger.info("indexing vLLM events from %s as rank %d", endpoint, rank)
+        logger.info("indexing vLLM events from %s as rank %d (%s)", endpoint, rank,
+                    "bound" if sub.bound else "connected")
         return rank
 
-    def foreign_engines(self) -> dict[int, str]:
-        """Attached foreign engines: rank -> the endpoint it is named after."""
+    def move_foreign(self, rank: int, endpoint: str, replay_endpoint: str | None, bind: bool | None) -> None:
+        """A foreign engine came back publishing at ``endpoint``: its subscriber moves there and resyncs."""
         with self.lock:
-            return {r: f.endpoint for r, f in self._foreign.items()}
+            engine = self._foreign[rank]
+            engine.endpoint = endpoint
+        engine.subscriber.resync(endpoint, replay_endpoint, bind)
+
+    def foreign_engines(self) -> dict[int, str]:
+        """Attached foreign engines: rank -> its name (its server's URL, or the events endpoint)."""
+        with self.lock:
+            return {r: f.name for r, f in self._foreign.items()}
 
     def close(self) -> None:
         """Stop the foreign engines' subscribers."""

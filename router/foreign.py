@@ -7,16 +7,21 @@ router probes with. This feed re-hashes each stored block from its
 map from vLLM hash to ours with a count of stores, so a later removal or tier
 move by vLLM hash reaches the right entry of the index.
 
+Each engine is indexed at its own block size (``PrefixIndex.set_block_size``),
+told by its server or, with ``learn_block_size``, taken from its first store.
 A store whose parent was never seen (stored before the router listened) cannot
-be re-hashed and is skipped; removals of hashes never mapped are skipped too.
+be re-hashed and is skipped; removals of hashes never mapped are skipped too;
+both are counted in ``rejections``.
 Multimodal and per-token extra keys are not on vLLM's wire as we decode it, so
 only text prompts (with LoRA id and cache salt) map faithfully.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvledger.router.index import ApplyResult, ApplyStatus, PrefixIndex
+from kvledger.router.index import ApplyResult, ApplyStatus, BlockSizeError, PrefixIndex
+from kvledger.router.rejections import UNKNOWN_HASH, UNKNOWN_PARENT, Rejections
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
 from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
                                          KVCacheCreated, KVEvent, check_event)
@@ -60,12 +65,21 @@ class _Overlay:
 class ForeignFeed:
     """Feeds ``index`` from foreign engines' batches, translating their hashes (see the module docstring)."""
 
-    __slots__ = ("_index", "_maps", "stats")
+    __slots__ = ("_index", "_maps", "_learning", "stats", "rejections", "_on_applied")
 
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(self, index: PrefixIndex, rejections: Rejections | None = None,
+                 on_applied: Callable[[int, int, EventBatch], None] | None = None) -> None:
+        """``on_applied(rank, seq, batch)`` hears every applied batch, in our hashes (the router logs it)."""
         self._index = index
+        self._on_applied = on_applied
         self._maps: dict[int, dict[int, tuple[int, int]]] = {}   # rank -> foreign hash -> (our hash, stores)
+        self._learning: set[int] = set()   # ranks whose block size their first store tells
         self.stats = ForeignStats()
+        self.rejections = rejections if rejections is not None else Rejections()
+
+    def learn_block_size(self, rank: int) -> None:
+        """Take ``rank``'s block size from its first store (its server did not say)."""
+        self._learning.add(rank)
 
     def mapped(self, rank: int, foreign_hash: int) -> int | None:
         """Our hash for ``rank``'s block ``foreign_hash``, if it is held."""
@@ -85,15 +99,29 @@ class ForeignFeed:
                 raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
             for i, ev in enumerate(batch.events):
                 check_event(ev, f"events[{i}]")
+            if rank in self._learning:
+                sizes = [ev.block_size for ev in batch.events if type(ev) is BlockStored]
+                if sizes:
+                    index.set_block_size(rank, sizes[0])
+                    self._learning.discard(rank)
             overlay = _Overlay(self._maps.get(rank, {}))
+            tpb = index.block_size(rank)
             events = [out for i, ev in enumerate(batch.events)
-                      if (out := self._translate(overlay, ev, i)) is not None]
-            result = index.apply(rank, seq, EventBatch(batch.ts, events, batch.rank))
+                      if (out := self._translate(overlay, ev, i, tpb)) is not None]
+            translated = EventBatch(batch.ts, events, batch.rank)
+            result = index.apply(rank, seq, translated)
             if result.applied:
                 self._maps[rank] = overlay.merged()
-                self.stats.blocks_mapped += overlay.stats.blocks_mapped
-                self.stats.stores_skipped += overlay.stats.stores_skipped
-                self.stats.hashes_unmapped += overlay.stats.hashes_unmapped
+                if self._on_applied is not None:
+                    self._on_applied(rank, seq, translated)
+                got = overlay.stats
+                self.stats.blocks_mapped += got.blocks_mapped
+                self.stats.stores_skipped += got.stores_skipped
+                self.stats.hashes_unmapped += got.hashes_unmapped
+                self.rejections.add(rank, UNKNOWN_PARENT, f"batch {seq} stores blocks under a parent never seen "
+                                    "(stored before the router listened)", got.stores_skipped)
+                self.rejections.add(rank, UNKNOWN_HASH, f"batch {seq} removes or moves hashes never mapped",
+                                    got.hashes_unmapped)
                 return result
         if result.status is ApplyStatus.SNAPSHOT:
             self._maps.pop(rank, None)   # its cache is gone or our view diverged: the map is stale too
@@ -108,10 +136,10 @@ class ForeignFeed:
         self._index.remove_rank(rank)
         self._maps.pop(rank, None)
 
-    def _translate(self, overlay: _Overlay, ev: KVEvent, i: int) -> KVEvent | None:
+    def _translate(self, overlay: _Overlay, ev: KVEvent, i: int, tpb: int) -> KVEvent | None:
         t = type(ev)
         if t is BlockStored:
-            return self._stored(overlay, ev, i)
+            return self._stored(overlay, ev, i, tpb)
         if t is BlockRemoved:
             ours = [h for f in ev.block_hashes if (h := self._release(overlay, f)) is not None]
             return BlockRemoved(ours, ev.medium, ev.group_idx) if ours else None
@@ -126,11 +154,11 @@ class ForeignFeed:
             return ev
         raise TypeError(f"events[{i}] must be a kvledger.worker.wire.events event, got {t.__name__}")
 
-    def _stored(self, overlay: _Overlay, ev: BlockStored, i: int) -> BlockStored | None:
-        tpb = self._index.tokens_per_block
+    def _stored(self, overlay: _Overlay, ev: BlockStored, i: int, tpb: int) -> BlockStored | None:
         n = len(ev.block_hashes)
         if ev.block_size != tpb:
-            raise ValueError(f"events[{i}]: block_size {ev.block_size} differs from the index's tokens_per_block {tpb}")
+            raise BlockSizeError(f"events[{i}]: block_size {ev.block_size} differs from the engine's {tpb} tokens "
+                                 "per block")
         if len(ev.token_ids) != n * tpb:
             raise ValueError(f"events[{i}]: {n} blocks need {n * tpb} token_ids to re-hash, got {len(ev.token_ids)}")
         if ev.parent_block_hash is None:

@@ -4,8 +4,13 @@
 runs it with uvicorn in a background thread (the router actor, the tests), on
 127.0.0.1 unless told otherwise. Request bodies are pydantic models, so a bad
 request gets a 4xx naming the field and reaches nothing; errors the service
-raises for bad input (``ValueError``) become 400, no live rank
-503. Metrics live in a registry of the app's own, filled at scrape time from
+raises for bad input (``ValueError``) become 400, an unknown model 404, no live
+rank 503, and a vLLM server's own refusal goes back with its status and body.
+
+A completion a vLLM server serves comes back as the server's own answer (its
+text, usage and ids), streamed event by event when asked, plus the
+``kvledger`` block: the rank, the cached tokens the router predicted and the
+ones the engine delivered. Metrics live in a registry of the app's own, filled at scrape time from
 the service's counters (the service itself does not know Prometheus).
 """
 from __future__ import annotations
@@ -17,25 +22,24 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Annotated, Literal
+from typing import Annotated
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kvledger.router.policies import NoLiveRankError
-from kvledger.router.service import RouterService
-from kvledger.worker.engine.tokenizer import decode, encode
+from kvledger.router.service import OWN_MODEL, CompletionResult, EngineRefusedError, RouterService, UnknownModelError
+from kvledger.worker.engine.tokenizer import decode
 from kvledger.worker.wire.errors import OutOfBlocksError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-MODEL_NAME = "kvledger-reference"
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Prompt = Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
@@ -45,25 +49,54 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
 class CompletionBody(_Body):
     """``POST /v1/completions``: the OpenAI completions fields kvledger serves, plus its own three."""
 
     prompt: Prompt
-    """Text (byte-level tokens, ``kvledger.worker.engine.tokenizer``) or token ids."""
+    """Text (tokenized the way the model's engines tokenize, ``router.prompt_tokenizer``) or token ids."""
     max_tokens: Annotated[StrictInt, Field(ge=0, le=4096)] = 16
     model: str | None = None
-    """Accepted for OpenAI clients; there is one model."""
-    stream: Literal[False] = False
+    """A model of ``GET /v1/models`` (none: the first listed)."""
+    stream: StrictBool = False
+    """Server-sent events, as OpenAI streams them."""
+    stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
     priority: Annotated[StrictInt, Field(ge=0, le=100)] | None = None
     """Retention priority of the prompt's and the output's blocks (``RetentionConfig``)."""
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: StrictBool | None = None
+    """vLLM's extension: generate ``max_tokens`` even past the end-of-sequence token (the reference engine
+    always does)."""
+
+    def sampling(self) -> dict:
+        """The sampling parameters given, as a vLLM server is sent them."""
+        return {k: v for k in SAMPLING if (v := getattr(self, k)) is not None}
+
+    def check_greedy(self) -> None:
+        """The reference engine decodes greedily: a sampling parameter it cannot honour is refused, by name."""
+        for name, value in self.sampling().items():
+            if not (name == "temperature" and value == 0 or name == "ignore_eos"):
+                raise ValueError(f"{name}={value!r}: the {OWN_MODEL} ranks decode greedily; they honour only "
+                                 "temperature 0 (vLLM servers take every sampling parameter)")
+
+
+#: The sampling parameters a vLLM server gets as the client sent them.
+SAMPLING = ("temperature", "top_p", "seed", "stop", "ignore_eos")
 
 
 class RouteBody(_Body):
     """``POST /v1/route``: where the prompt would go, without sending it."""
 
     prompt: Prompt
+    model: str | None = None
     max_tokens: Annotated[StrictInt, Field(ge=0, le=4096)] = 16
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
@@ -73,13 +106,10 @@ class ProbeBody(_Body):
     """``POST /v1/probe``: how much of the prompt each rank holds; ``exact`` asks the ranks' ledgers."""
 
     prompt: Prompt
+    model: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
     exact: bool = False
-
-
-def prompt_tokens(prompt: str | list[int]) -> list[int]:
-    return encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -111,6 +141,14 @@ class _ServiceCollector:
                                          labels=["rank"])
         inflight = GaugeMetricFamily("kvledger_inflight_requests", "Requests dispatched and not finished",
                                      labels=["rank"])
+        predicted = CounterMetricFamily("kvledger_predicted_cached_tokens",
+                                        "Cached prompt tokens the index predicted on the rank a request was routed to",
+                                        labels=["rank"])
+        delivered = CounterMetricFamily("kvledger_delivered_cached_tokens",
+                                        "Cached prompt tokens the rank reported reusing (vLLM: usage.cached_tokens)",
+                                        labels=["rank"])
+        rejected = CounterMetricFamily("kvledger_events_rejected", "Events the index could not take, per reason",
+                                       labels=["rank", "reason"])
         for r in report.ranks:
             rank = str(r.rank)
             if r.blocks is not None:
@@ -124,7 +162,12 @@ class _ServiceCollector:
             decisions.add_metric([rank, report.policy], r.decisions)
             index_blocks.add_metric([rank], r.index_blocks)
             inflight.add_metric([rank], r.inflight_requests)
-        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight)
+            predicted.add_metric([rank], r.predicted_tokens)
+            delivered.add_metric([rank], r.cached_tokens)
+        for rank, reasons in svc.feed.rejections.by_rank().items():
+            for reason, n in reasons.items():
+                rejected.add_metric([str(rank), reason], n)
+        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight, predicted, delivered, rejected)
         t = report.router
         yield GaugeMetricFamily("kvledger_router_hit_rate", "Cached / prompt tokens over the router's completions",
                                 value=t.hit_rate)
@@ -141,6 +184,11 @@ class _ServiceCollector:
         yield HistogramMetricFamily("kvledger_probe_latency_seconds", "Index probe latency",
                                     buckets=[("+Inf" if math.isinf(le) else repr(le), n) for le, n in h.cumulative()],
                                     sum_value=h.sum)
+        g = svc.cached_gap()
+        yield HistogramMetricFamily("kvledger_cached_tokens_gap", "Delivered minus predicted cached tokens per "
+                                    "completion (negative: the index promised more than the rank reused)",
+                                    buckets=[("+Inf" if math.isinf(le) else repr(float(le)), n)
+                                             for le, n in g.cumulative()], sum_value=g.sum)
 
 
 def make_app(service: RouterService) -> FastAPI:
@@ -163,31 +211,44 @@ def make_app(service: RouterService) -> FastAPI:
     async def _no_blocks(_: Request, exc: OutOfBlocksError) -> JSONResponse:
         return _error(503, str(exc), "out_of_blocks")
 
+    @app.exception_handler(UnknownModelError)
+    async def _no_model(_: Request, exc: UnknownModelError) -> JSONResponse:
+        return _error(404, str(exc.args[0]), "model_not_found")
+
+    @app.exception_handler(EngineRefusedError)
+    async def _refused(_: Request, exc: EngineRefusedError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": created, "owned_by": "kvledger" if m == OWN_MODEL else "vllm",
+             "kvledger": {"ranks": ranks}} for m, ranks in service.models().items()]}
+
     @app.post("/v1/completions")
-    def completions(body: CompletionBody) -> dict:
-        tokens = prompt_tokens(body.prompt)
-        res = service.complete(tokens, max_tokens=body.max_tokens, cache_salt=body.cache_salt,
-                               lora_id=body.lora_id, priority=body.priority)
-        return {
-            "id": f"cmpl-{res.request_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.model or MODEL_NAME,
-            "choices": [{"index": 0, "text": decode(res.output_tokens), "logprobs": None,
-                         "finish_reason": "length"}],
-            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.output_tokens),
-                      "total_tokens": res.prompt_tokens + len(res.output_tokens),
-                      "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
-            "kvledger": {"rank": res.rank, "cached_tokens": res.cached_tokens,
-                         "computed_tokens": res.computed_tokens, "onboarded_blocks": res.onboarded_blocks,
-                         "migrated_blocks": res.migrated_blocks, "retries": res.retries,
-                         "output_token_ids": res.output_tokens, "policy": res.decision.policy},
-        }
+    def completions(body: CompletionBody) -> Response:
+        model, tokens = service.encode(body.prompt, body.model)
+        if model == OWN_MODEL:
+            body.check_greedy()
+        args = dict(max_tokens=body.max_tokens, cache_salt=body.cache_salt, lora_id=body.lora_id, model=model,
+                    engine_fields=body.sampling())
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        if body.stream and model != OWN_MODEL:
+            events = service.stream(tokens, **args)
+            return StreamingResponse(_relay(events, usage), media_type="text/event-stream")
+        res = service.complete(tokens, priority=body.priority, **args)
+        answer = res.engine_answer if res.engine_answer is not None else _own_answer(res)
+        answer = {**answer, "kvledger": _kvledger_block(res)}
+        if body.stream:   # own ranks answer whole: one chunk, then usage when asked
+            return StreamingResponse(_own_stream(answer, usage), media_type="text/event-stream")
+        return JSONResponse(answer)
 
     @app.post("/v1/route")
     def route(body: RouteBody) -> dict:
-        d = service.route(prompt_tokens(body.prompt), max_tokens=body.max_tokens, cache_salt=body.cache_salt,
-                          lora_id=body.lora_id)
+        model, tokens = service.encode(body.prompt, body.model)
+        d = service.route(tokens, max_tokens=body.max_tokens, cache_salt=body.cache_salt, lora_id=body.lora_id,
+                          model=model)
         ranks = sorted(set(d.scores) | set(d.matched_tokens))
         return {"rank": d.rank, "policy": d.policy, "lower_is_better": d.lower_is_better,
                 "migrate_from": d.migrate_from, "migrate_blocks": d.migrate_blocks,
@@ -196,7 +257,7 @@ def make_app(service: RouterService) -> FastAPI:
 
     @app.post("/v1/probe")
     def probe(body: ProbeBody) -> dict:
-        tokens = prompt_tokens(body.prompt)
+        _, tokens = service.encode(body.prompt, body.model)
         got = service.probe(tokens, lora_id=body.lora_id, cache_salt=body.cache_salt, exact=body.exact)
         foreign = service.feed.foreign_engines()
         ranks = []
@@ -233,6 +294,51 @@ def make_app(service: RouterService) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _own_answer(res: CompletionResult) -> dict:
+    return {
+        "id": f"cmpl-{res.request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": res.model,
+        "choices": [{"index": 0, "text": decode(res.output_tokens), "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.output_tokens),
+                  "total_tokens": res.prompt_tokens + len(res.output_tokens),
+                  "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
+    }
+
+
+def _kvledger_block(res: CompletionResult) -> dict:
+    return {"rank": res.rank, "predicted_cached_tokens": res.predicted_cached_tokens,
+            "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
+            "onboarded_blocks": res.onboarded_blocks, "migrated_blocks": res.migrated_blocks,
+            "retries": res.retries, "output_token_ids": res.output_tokens, "policy": res.decision.policy}
+
+
+def _sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _own_stream(answer: dict, usage: bool) -> Iterator[bytes]:
+    yield _sse({k: v for k, v in answer.items() if k != "usage"})
+    if usage:
+        yield _sse({"id": answer["id"], "object": "text_completion", "created": answer["created"],
+                    "model": answer["model"], "choices": [], "usage": answer["usage"], "kvledger": answer["kvledger"]})
+    yield _sse("[DONE]")
+
+
+def _relay(events: Iterator[tuple[int, int, dict | str]], usage: bool) -> Iterator[bytes]:
+    """A vLLM server's events as they come; its usage event (the router always asks for it) only when the client
+    did, carrying the ``kvledger`` block."""
+    for rank, predicted, ev in events:
+        if isinstance(ev, dict) and ev.get("usage") and not ev.get("choices"):
+            if usage:
+                cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                yield _sse({**ev, "kvledger": {"rank": rank, "predicted_cached_tokens": predicted,
+                                               "cached_tokens": cached}})
+            continue
+        yield _sse(ev)
 
 
 async def _follow(service: RouterService, request: Request, since: int, rank: int | None, limit: int | None,

@@ -17,6 +17,12 @@ ignores old ones, asks for a replay on a gap and for a snapshot on a restart (or
 when an event contradicts the books, which means the view has diverged). Field
 types and block sizes are checked before anything changes; a contradiction found
 while applying rolls back what the batch did, so no batch is ever half applied.
+
+Ranks may have different block sizes (real vLLM engines take multiples of 32
+on the CPU, 16 on GPUs): each rank is indexed at its own (``set_block_size``;
+``tokens_per_block`` is the default), and one flat map holds them all, since
+chained hashes over blocks of different sizes never meet. A probe walks one
+chain per block size in use (``block_sizes``).
 """
 from __future__ import annotations
 
@@ -38,6 +44,10 @@ _DEV_MASK = _HOST - 1
 def _tier_unit(medium: Medium | None) -> int:
     """The packed increment for one ref on ``medium`` (``None`` = unspecified = device, as vLLM means it)."""
     return _HOST if medium == "CPU" else _DEV
+
+
+class BlockSizeError(ValueError):
+    """An event's block size is not the one its rank is indexed at."""
 
 
 class ApplyStatus(enum.Enum):
@@ -112,7 +122,8 @@ class _Feed:
 class PrefixIndex:
     """Block hash -> holding ranks and tiers, from numbered event batches (see the module docstring)."""
 
-    __slots__ = ("tokens_per_block", "stats", "_holders", "_host_only", "_feeds", "_slot_rank", "_free_slots")
+    __slots__ = ("tokens_per_block", "stats", "_holders", "_host_only", "_feeds", "_slot_rank", "_free_slots",
+                 "_block_sizes")
 
     def __init__(self, tokens_per_block: int) -> None:
         if type(tokens_per_block) is not int or tokens_per_block <= 0:
@@ -124,12 +135,21 @@ class PrefixIndex:
         self._feeds: dict[int, _Feed] = {}
         self._slot_rank: list[int | None] = []  # bit position -> rank
         self._free_slots: list[int] = []        # min-heap of freed bit positions
+        self._block_sizes: dict[int, int] = {}  # rank -> its block size, where not tokens_per_block
 
     # --- reading ------------------------------------------------------------
 
     def ranks(self) -> list[int]:
         """Ranks the index has heard from, ascending."""
         return sorted(self._feeds)
+
+    def block_size(self, rank: int) -> int:
+        """Tokens per block of ``rank``'s events."""
+        return self._block_sizes.get(rank, self.tokens_per_block)
+
+    def other_block_sizes(self) -> set[int]:
+        """The block sizes other than ``tokens_per_block`` that some rank is indexed at (mostly none)."""
+        return set(self._block_sizes.values())
 
     def next_seq(self, rank: int) -> int:
         """The batch number expected next from ``rank`` (0 for a rank never heard from)."""
@@ -228,6 +248,24 @@ class PrefixIndex:
         """
         return self._apply(rank, seq, decode_batch(data))
 
+    def set_block_size(self, rank: int, block_size: int) -> None:
+        """Index ``rank`` at ``block_size`` tokens per block from now on (it keeps it across ``remove_rank``).
+
+        Changing a rank's size drops what it holds: its old hashes are of another chain.
+        """
+        _check_rank(rank)
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if block_size == self.block_size(rank):
+            return
+        feed = self._feeds.get(rank)
+        if feed is not None:
+            self._purge(feed)
+        if block_size == self.tokens_per_block:
+            self._block_sizes.pop(rank, None)
+        else:
+            self._block_sizes[rank] = block_size
+
     def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry], next_seq: int) -> None:
         """Rebuild ``rank``'s holdings from nothing; batches continue at ``next_seq``."""
         _check_rank(rank)
@@ -303,7 +341,7 @@ class PrefixIndex:
             self.stats.replays_requested += 1
             return ApplyResult(ApplyStatus.REPLAY, expected, f"got batch {seq}, expected {expected}")
         events = batch.events
-        restart = self._check_sizes(seq, events)
+        restart = self._check_sizes(rank, seq, events)
         if feed is None:
             feed = self._new_feed(rank)
         if restart is not None:
@@ -315,18 +353,15 @@ class PrefixIndex:
         self.stats.batches_applied += 1
         return ApplyResult(ApplyStatus.APPLIED, seq + 1)
 
-    def _check_sizes(self, seq: int, events: list[KVEvent]) -> str | None:
-        """Raise on a block size that is not ours; say why, if the batch shows the rank restarted."""
-        tpb = self.tokens_per_block
+    def _check_sizes(self, rank: int, seq: int, events: list[KVEvent]) -> str | None:
+        """Raise on a block size that is not the rank's; say why, if the batch shows the rank restarted."""
+        tpb = self.block_size(rank)
         for i, ev in enumerate(events):
             t = type(ev)
-            if t is BlockStored and ev.block_size != tpb:
-                raise ValueError(f"events[{i}]: block_size {ev.block_size} differs from the index's "
-                                 f"tokens_per_block {tpb}; a rank with another block size never matches")
+            if (t is BlockStored or t is KVCacheCreated) and ev.block_size != tpb:
+                raise BlockSizeError(f"events[{i}]: {t.__name__}.block_size {ev.block_size} differs from rank "
+                                     f"{rank}'s {tpb} tokens per block; blocks of another size never match")
             if t is KVCacheCreated:
-                if ev.block_size != tpb:
-                    raise ValueError(f"events[{i}]: KVCacheCreated.block_size {ev.block_size} differs from the "
-                                     f"index's tokens_per_block {tpb}")
                 if seq > 0:
                     return f"KVCacheCreated in batch {seq}: the rank restarted"
         return None

@@ -34,6 +34,14 @@ class Dispatch:
     prefilled: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class ReportedQueue:
+    """What an engine says of its own queue (a vLLM server's ``/metrics``)."""
+
+    waiting: int
+    running: int
+
+
 @dataclass(slots=True)
 class _RankAccount:
     queued: int = 0
@@ -100,17 +108,23 @@ class LoadAccount:
         started = sum(d.prefill_tokens for d in a.started)
         return a.queued + a.running, a.queued_tokens + started
 
-    def state(self, rank: int, now: float, kv_used_blocks: int = 0, kv_total_blocks: int = 0) -> RankState:
-        """``rank`` as the policies see it at ``now``; the blocks in use come from the rank's own report."""
-        a = self._ranks.get(rank)
-        if a is None:
-            return RankState(rank, True, kv_used_blocks=kv_used_blocks, kv_total_blocks=kv_total_blocks)
+    def state(self, rank: int, now: float, kv_used_blocks: int = 0, kv_total_blocks: int = 0,
+              reported: ReportedQueue | None = None, migratable: bool = True) -> RankState:
+        """``rank`` as the policies see it at ``now``; the blocks in use come from the rank's own report.
+
+        An engine's own count of its queue (``reported``) wins where it is larger: other routers or clients
+        may send it work this account never saw.
+        """
+        a = self._ranks.get(rank) or _RankAccount()
         pending = a.queued_tokens
         for d in a.started:
             if d.duration > 0:
                 pending += int(d.prefill_tokens * max(0.0, d.started_at + d.duration - now) / d.duration)
-        return RankState(rank, True, a.queued, pending, a.running, a.running_blocks, kv_used_blocks,
-                         kv_total_blocks)
+        queued, running = a.queued, a.running
+        if reported is not None:
+            queued, running = max(queued, reported.waiting), max(running, reported.running)
+        return RankState(rank, True, queued, pending, running, a.running_blocks, kv_used_blocks, kv_total_blocks,
+                         migratable)
 
 
 def _leave_queue(a: _RankAccount, d: Dispatch) -> None:

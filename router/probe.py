@@ -43,10 +43,31 @@ def prompt_hashes(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int 
                         mm_keys=mm_keys, extra_ids=None if extra_ids is None else extra_ids[:-1])
 
 
-def match_prefix(index: PrefixIndex, hashes: Sequence[int]) -> dict[int, PrefixMatch]:
-    """Per rank holding at least the chain's first block: its match along ``hashes``, by rank."""
-    tpb = index.tokens_per_block
-    return {r: PrefixMatch(b, b * tpb, host) for r, (b, host) in sorted(index.longest_prefixes(hashes).items())}
+def match_prefix(index: PrefixIndex, hashes: Sequence[int], tokens_per_block: int | None = None,
+                 ) -> dict[int, PrefixMatch]:
+    """Per rank holding at least the chain's first block: its match along ``hashes`` (blocks of
+    ``tokens_per_block`` tokens, the index's default when ``None``), by rank."""
+    tpb = index.tokens_per_block if tokens_per_block is None else tokens_per_block
+    found = sorted(index.longest_prefixes(hashes).items())
+    if index.other_block_sizes():   # a chain of one size names no block of another; this keeps it certain
+        found = [(r, m) for r, m in found if index.block_size(r) == tpb]
+    return {r: PrefixMatch(b, b * tpb, host) for r, (b, host) in found}
+
+
+def match_all_sizes(index: PrefixIndex, tokens: Sequence[int], hashes: Sequence[int], *, lora_id: int | None = None,
+                    cache_salt: str | None = None) -> dict[int, PrefixMatch]:
+    """Every rank's match for prompt ``tokens``, at whatever block size it is indexed.
+
+    ``hashes`` are the prompt's hashes at the index's default size (the caller has them); the prompt is
+    hashed once more per other block size in use.
+    """
+    out = match_prefix(index, hashes)
+    others = index.other_block_sizes()
+    if not others:
+        return out
+    for size in sorted(others):
+        out.update(match_prefix(index, prompt_hashes(tokens, size, lora_id=lora_id, cache_salt=cache_salt), size))
+    return dict(sorted(out.items()))
 
 
 def probe(index: PrefixIndex, tokens: Sequence[int], *, lora_id: int | None = None,

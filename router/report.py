@@ -39,6 +39,14 @@ class RankReport:
     cached_tokens: int
     inflight_requests: int
     queued_prefill_tokens: int
+    predicted_tokens: int
+    """Cached tokens the index predicted for the completions routed here (``cached_tokens``: delivered)."""
+    model: str
+    block_size: int
+    engine: str | None
+    """The vLLM server's URL, for a rank that is one."""
+    rejected: dict[str, int]
+    """Events the index could not take from this rank, per reason (``router.rejections``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +55,12 @@ class ForeignReport:
 
     rank: int
     endpoint: str
+    """Its server's URL (a rank requests are routed to), or its events endpoint (indexed only)."""
     index_blocks: int
     next_seq: int
+    live: bool
+    block_size: int
+    rejected: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +81,11 @@ class RouterTotals:
     snapshots: int
     events_logged: int
     """Events the router has logged for monitors so far (the id the next one gets)."""
+    predicted_tokens: int
+    """Cached tokens the index predicted, over the completions (``cached_tokens`` is what was delivered)."""
+    delivered_ratio: float | None
+    """Delivered / predicted cached tokens (``None`` before any prediction): 1.0 when the index is exact."""
+    events_rejected: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ policy measured by ``kvledger bench`` is the policy ``kvledger up`` runs.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from kvledger.router.load import LoadAccount
+from kvledger.router.load import LoadAccount, ReportedQueue
 from kvledger.router.policies import RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch
 
@@ -22,13 +22,16 @@ class RouteStep:
         self.account = account
 
     def decide(self, request: RouteRequest, matches: Mapping[int, PrefixMatch], live: Sequence[int],
-               blocks: Mapping[int, tuple[int, int]], now: float, record: bool) -> RouteDecision:
+               blocks: Mapping[int, tuple[int, int]], now: float, record: bool,
+               reported: Mapping[int, ReportedQueue] | None = None, fixed: Collection[int] = ()) -> RouteDecision:
         """The policy's decision among ``live`` ranks; ``blocks`` is each rank's (used, total) device blocks.
 
+        ``reported``: engines' own counts of their queues; ``fixed``: ranks KV cannot migrate to or from.
         With ``record`` the request is then sent where the decision says, and a
         policy with a memory of its own (``cache_aware``) learns it.
         """
-        states = [self.account.state(r, now, *blocks.get(r, (0, 0))) for r in live]
+        reported = reported or {}
+        states = [self.account.state(r, now, *blocks.get(r, (0, 0)), reported.get(r), r not in fixed) for r in live]
         decision = self.policy.route(request, states, matches)
         if record:
             self.policy.on_routed(request, decision)

@@ -1,6 +1,7 @@
 """The router as one plain, thread-safe object: events in, decisions and completions out.
 
-``RouterService`` puts three parts together: the event feed
+``RouterService`` puts three parts together over one ``RankSet`` of
+kvledger's own ranks and real vLLM servers (``router.vllm_ranks``): the event feed
 (``router.feed.EventFeed``: the global index fed by each rank's numbered
 batches, with replays, snapshots and foreign engines), the routing step
 (``router.routing.RouteStep`` over the router's ``LoadAccount`` of what it
@@ -9,6 +10,13 @@ counters; ``report`` sums it all up as a typed ``ClusterReport``. It reaches
 ranks only through a ``RankSet`` of typed ``RankClient``s; it knows nothing of
 Ray or HTTP, so the same object runs in tests over in-process ranks and in the
 router actor over the cluster.
+
+Each rank serves one model: kvledger's own ranks the reference model
+(``OWN_MODEL``), each vLLM server the model it reports. A request names its
+model (none: the first listed), is tokenized the way that model's engines
+tokenize, and is routed among the live ranks serving it. For every completion
+the router keeps what its index predicted (cached prompt tokens on the chosen
+rank) next to what the rank delivered, the routing accuracy no peer reports.
 
 Locks: ``_lock`` guards the accounting and the policy, and is never held
 across a call to a rank; the feed has its own (``EventFeed.lock``).
@@ -19,24 +27,45 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import EventFeed
 from kvledger.router.index import PrefixIndex
-from kvledger.router.load import LoadAccount
+from kvledger.router.load import LoadAccount, ReportedQueue
 from kvledger.router.policies import NoLiveRankError, RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch
+from kvledger.router.prompt_tokenizer import ByteTokenizer, PromptTokenizer
 from kvledger.router.rank_client import RankDiedError, RankSet
 from kvledger.router.report import ClusterReport, ForeignReport, RankReport, RouterTotals, TierBlocks
 from kvledger.router.routing import RouteStep
-from kvledger.router.stats import LatencyHistogram
+from kvledger.router.stats import GAP_BUCKETS_TOKENS, Histogram
+from kvledger.router.vllm_ranks import EngineCompletion, JoinedRanks, VllmEngine
+from kvledger.router.vllm_server import EngineUnreachableError
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.wire.messages import RankLoad
 from kvledger.worker.wire.request import Request, RetentionConfig, TokenRange
 
 logger = logging.getLogger(__name__)
+
+#: The model kvledger's own ranks serve (the reference engine).
+OWN_MODEL = "kvledger-reference"
+
+
+class UnknownModelError(LookupError):
+    """A request named a model no rank serves."""
+
+
+class EngineRefusedError(ValueError):
+    """A vLLM server answered a completion with an error: its status and body go back as they are."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(status, body)
+        self.status, self.body = status, body
+
+    def __str__(self) -> str:
+        return f"the engine answered {self.status}: {self.body}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +85,11 @@ class CompletionResult:
     decision: RouteDecision
     retries: int
     """Ranks that died with this request before one served it."""
+    predicted_cached_tokens: int
+    """What the index promised the chosen rank held (plus what was migrated to it)."""
+    model: str
+    engine_answer: dict | None = None
+    """A vLLM server's own JSON answer, when one served it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +109,7 @@ class _RankCounters:
     completions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    predicted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -85,7 +120,11 @@ class ServiceStats:
     migrations: int = 0
     migrated_blocks: int = 0
     retries: int = 0
-    probe_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    predicted_tokens: int = 0
+    """Cached tokens the index predicted, summed over completions (``cached_tokens`` is what was delivered)."""
+    probe_latency: Histogram = field(default_factory=Histogram)
+    cached_gap: Histogram = field(default_factory=lambda: Histogram(GAP_BUCKETS_TOKENS))
+    """Delivered minus predicted cached tokens, per completion."""
 
 
 def retention_for(priority: int | None) -> RetentionConfig | None:
@@ -98,14 +137,14 @@ def retention_for(priority: int | None) -> RetentionConfig | None:
 class RouterService:
     """See the module docstring."""
 
-    def __init__(self, ranks: RankSet, config: RouterConfig = RouterConfig(),
+    def __init__(self, ranks: RankSet | None, config: RouterConfig = RouterConfig(),
                  policy: RoutingPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ranks = ranks
+        self.ranks = JoinedRanks(ranks)
         self.config = config
         self.clock = clock
         self.policy = policy if policy is not None else config.make_policy()
-        self.feed = EventFeed(ranks, config.tokens_per_block, config.event_log_size, config.rate_window_s, clock,
-                              on_removed=self._forget)
+        self.feed = EventFeed(self.ranks, config.tokens_per_block, config.event_log_size, config.rate_window_s,
+                              clock, on_removed=self._forget)
         self.account = LoadAccount()
         self.step = RouteStep(self.policy, self.account)
         self.stats = ServiceStats()
@@ -114,7 +153,96 @@ class RouterService:
         self._loads_at = float("-inf")
         self._counters: dict[int, _RankCounters] = {}
         self._request_ids = itertools.count(1)
+        self._own_tokenizer = ByteTokenizer()
+        try:
+            for url in config.vllm:
+                self.add_vllm(url)
+        except BaseException:
+            self.close()
+            raise
 
+    def add_vllm(self, url: str) -> int:
+        """Route to the vLLM server at ``url`` too: ask it what it serves, subscribe to its events; its rank."""
+        if url in self.feed.foreign_engines().values():
+            raise ValueError(f"vLLM server {url} is already a rank")
+        engine = VllmEngine.connect(self.feed.next_foreign_rank(), url, self.config.tokenizer,
+                                    self.config.engine_timeout_s)
+        src = engine.info.events
+        if src is None:
+            engine.close()
+            raise ValueError(f"vLLM server {url} publishes no KV events; start it with --enable-prefix-caching and "
+                             "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'")
+        rank = self.feed.attach_vllm(src.endpoint, src.replay_endpoint, src.topic, bind=src.bind,
+                                     block_size=engine.info.block_size, name=url, routed=True)
+        assert rank == engine.rank, "engines are attached one at a time"
+        self.ranks.add(engine)
+        logger.info("vLLM server %s (model %s, %s tokens per block, tokenizer %s) is rank %d", url,
+                    engine.info.model, engine.info.block_size, engine.tokenizer.name, rank)
+        return rank
+
+    def check_health(self) -> list[int]:
+        """One health round over own ranks and vLLM servers, then the index follows (``EventFeed.sync``).
+
+        A server that answers again is asked anew where it publishes (a restarted one may have moved), and
+        its events are resynced. Returns the ranks that came back.
+        """
+        back = self.ranks.check_health()
+        for rank in back:
+            engine = self.ranks.engine(rank)
+            if engine is None:
+                continue
+            try:
+                engine.info = engine.server.discover()
+            except (EngineUnreachableError, ValueError) as e:
+                self.ranks.mark_down(rank)
+                logger.warning("vLLM server %s answers /health but not discovery: %s", engine.server.url, e)
+                continue
+            src = engine.info.events
+            if src is not None:
+                self.feed.move_foreign(rank, src.endpoint, src.replay_endpoint, src.bind)
+        self.feed.sync()
+        return back
+
+    # ------------------------------------------------------------------ models
+
+    def models(self) -> dict[str, list[int]]:
+        """Model -> the ranks serving it (live or not), own ranks' model first."""
+        own = self.ranks.own
+        out: dict[str, list[int]] = {OWN_MODEL: own.live()} if own is not None else {}
+        for r, e in sorted(self.ranks.engines().items()):
+            out.setdefault(e.info.model, []).append(r)
+        return out
+
+    def resolve_model(self, model: str | None) -> str:
+        """The model a request names, or the first listed; ``UnknownModelError`` for one nobody serves."""
+        models = self.models()
+        if model is None:
+            if not models:
+                raise NoLiveRankError("no rank serves any model")
+            return next(iter(models))
+        if model not in models:
+            raise UnknownModelError(f"model {model!r} is not served here; models: {sorted(models)}")
+        return model
+
+    def tokenizer(self, model: str) -> PromptTokenizer:
+        """How text prompts for ``model`` are tokenized (the way its engines will)."""
+        if model == OWN_MODEL and self.ranks.own is not None:
+            return self._own_tokenizer
+        for e in self.ranks.engines().values():
+            if e.info.model == model:
+                return e.tokenizer
+        raise UnknownModelError(f"model {model!r} is not served here")
+
+    def encode(self, prompt: str | Sequence[int], model: str | None = None) -> tuple[str, list[int]]:
+        """The model a request goes to and its prompt as token ids (text tokenized once, for that model)."""
+        name = self.resolve_model(model)
+        return name, self.tokenizer(name).encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _serving(self, model: str) -> set[int]:
+        own = self.ranks.own
+        if model == OWN_MODEL and own is not None:
+            return set(own.live())
+        return {r for r, e in self.ranks.engines().items() if e.info.model == model}
     @property
     def index(self) -> PrefixIndex:
         """The feed's ``PrefixIndex`` (read it under ``feed.lock``)."""
@@ -133,118 +261,237 @@ class RouterService:
               exact: bool = False) -> dict[int, RankProbe]:
         """Matched prompt tokens per live rank: from the index, or (``exact``) from each rank's ledger.
 
-        Attached foreign engines (``EventFeed.attach_vllm``) are in the index's answer only: they cannot be asked.
+        Foreign engines (vLLM servers, ``EventFeed.attach_vllm``) are in the index's answer only: they cannot be
+        asked. Matched tokens count at each rank's own block size.
         """
         req = RouteRequest.of(tokens, self.config.tokens_per_block, cache_salt=cache_salt, lora_id=lora_id)
         live = self.ranks.live()
         if exact:
             out = {}
             for r in live:
+                if self.ranks.engine(r) is not None:
+                    continue
                 try:
                     out[r] = RankProbe(self.ranks.client(r).probe(req.tokens, lora_id, cache_salt))
                 except RankDiedError as e:
-                    self.feed.lost(e)
+                    self._lost(e)
             return out
-        tpb = self.config.tokens_per_block
         matches = self._match(req)
+        index = self.feed.index
         out = {}
-        for r in [*live, *self.feed.foreign_engines()]:
+        for r in dict.fromkeys([*live, *self.feed.foreign_engines()]):
             m = matches.get(r)
-            out[r] = RankProbe(0, 0, 0) if m is None else RankProbe(m.matched_tokens, m.device_blocks * tpb,
-                                                                     m.host_blocks * tpb)
+            size = index.block_size(r)
+            out[r] = RankProbe(0, 0, 0) if m is None else RankProbe(m.matched_tokens, m.device_blocks * size,
+                                                                     m.host_blocks * size)
         return out
 
     def route(self, tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
-              lora_id: int | None = None) -> RouteDecision:
+              lora_id: int | None = None, model: str | None = None) -> RouteDecision:
         """Where the policy would send this prompt now (nothing is sent or recorded)."""
         req = RouteRequest.of(tokens, self.config.tokens_per_block, max_tokens=max_tokens, cache_salt=cache_salt,
                               lora_id=lora_id)
-        return self._decide(req, frozenset(), record=False)
+        return self._decide(req, self.resolve_model(model), frozenset(), record=False)
 
     def _match(self, req: RouteRequest) -> dict[int, PrefixMatch]:
         t0 = time.perf_counter()
-        matches = self.feed.match(req.block_hashes)
+        matches = self.feed.match(req.tokens, req.block_hashes, req.lora_id, req.cache_salt)
         with self._lock:
             self.stats.probe_latency.observe(time.perf_counter() - t0)
         return matches
 
-    def _decide(self, req: RouteRequest, exclude: frozenset[int], record: bool) -> RouteDecision:
-        live = [r for r in self.ranks.live() if r not in exclude]
+    def _decide(self, req: RouteRequest, model: str, exclude: frozenset[int], record: bool) -> RouteDecision:
+        serving = self._serving(model)
+        live = [r for r in self.ranks.live() if r not in exclude and r in serving]
         if not live:
-            raise NoLiveRankError("no live rank to route to" + (f" (ranks {sorted(exclude)} died)" if exclude else ""))
+            raise NoLiveRankError(f"no live rank serves {model}"
+                                  + (f" (ranks {sorted(exclude)} died)" if exclude else ""))
         matches = self._match(req)
+        engines = self.ranks.engines()
         with self._lock:
             blocks = {r: (load.device_blocks_used, load.device_blocks) for r, load in self._loads.items()}
-            return self.step.decide(req, matches, live, blocks, self.clock(), record)
+            reported = {r: ReportedQueue(load.queued_requests, load.running_requests)
+                        for r, load in self._loads.items() if r in engines}
+            return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, engines.keys())
 
     # ------------------------------------------------------------------ serving
 
     def complete(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
-                 lora_id: int | None = None, priority: int | None = None) -> CompletionResult:
+                 lora_id: int | None = None, priority: int | None = None, model: str | None = None,
+                 engine_fields: dict | None = None) -> CompletionResult:
         """Route, migrate a prefix if the decision says so, serve; retry elsewhere if the rank dies.
 
-        Bad input raises ``ValueError``/``TypeError`` before anything is sent.
-        ``NoLiveRankError`` when no rank is left to serve it.
+        ``engine_fields``: more of the client's body for a vLLM server that serves it (sampling parameters).
+        Bad input raises ``ValueError``/``TypeError`` before anything is sent; ``UnknownModelError`` for a
+        model nobody serves; ``NoLiveRankError`` when no rank is left to serve it; ``EngineRefusedError``
+        when a vLLM server refuses it.
         """
-        if type(max_tokens) is not int or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        tpb = self.config.tokens_per_block
-        req = RouteRequest.of(prompt_tokens, tpb, max_tokens=max_tokens, cache_salt=cache_salt, lora_id=lora_id)
-        if max(req.tokens) >= VOCAB_SIZE:
-            raise ValueError(f"token {max(req.tokens)} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
+        name, req = self._request(prompt_tokens, max_tokens, cache_salt, lora_id, model)
         request = Request(next(self._request_ids), list(req.tokens), max_tokens, lora_id, cache_salt,
                           retention=retention_for(priority))
-        request.validate()
+        if name == OWN_MODEL:
+            request.validate()
         died: set[int] = set()
         while True:
-            if len(died) > self.config.max_retries:
-                raise NoLiveRankError(f"request {request.request_id}: ranks {sorted(died)} died serving it")
-            decision = self._decide(req, frozenset(died), record=True)
+            decision, migrated = self._place(req, name, died)
+            if decision is None:
+                continue
             rank = decision.rank
-            migrated = 0
-            if decision.migrate_from is not None:
-                try:
-                    # the whole prefix the source holds: the target shares what it has, receives the rest
-                    migrated = self.ranks.migrate(req.tokens, decision.migrate_from, rank, None, lora_id, cache_salt)
-                except RankDiedError as e:
-                    self.feed.lost(e)
-                    died.add(e.rank)
-                    continue
-                except Exception:  # a failed transfer costs a recompute, never the request
-                    logger.exception("migration %d -> %d failed; rank %d computes the prefix instead",
-                                     decision.migrate_from, rank, rank)
-            matched = decision.matched_tokens.get(rank, 0) + migrated * tpb
-            prefill = len(req.tokens) - min(matched, len(req.tokens) - 1)
-            with self._lock:
-                dispatch = self.account.dispatch(rank, prefill, -(-(len(req.tokens) + max_tokens) // tpb))
+            predicted = min(decision.matched_tokens.get(rank, 0) + migrated * self.config.tokens_per_block,
+                            len(req.tokens) - 1)
+            dispatch = self._dispatch(req, rank, predicted)
+            engine = self.ranks.engine(rank)
             try:
-                reply = self.ranks.client(rank).serve([request], publish=True)
+                if engine is not None:
+                    got = engine.complete(self._engine_body(req, engine_fields))
+                else:
+                    reply = self.ranks.client(rank).serve([request], publish=True)
             except RankDiedError as e:
-                self.feed.lost(e)
-                died.add(rank)
-                with self._lock:
-                    self.stats.retries += 1
+                self._died(e, died)
                 continue
             finally:
                 with self._lock:
                     self.account.finished(dispatch)
-            if reply.events is not None:   # what serving did is indexed before the answer leaves
-                self.feed.ingest(rank, reply.events.seq, reply.events.data)
-            (out,) = reply.outcomes
+            if engine is not None:
+                if got.status != 200:
+                    raise EngineRefusedError(got.status, got.body)
+                out_tokens = list(got.body["choices"][0].get("token_ids") or [])
+                cached, onboarded, answer = got.cached_tokens, 0, got.body
+            else:
+                if reply.events is not None:   # what serving did is indexed before the answer leaves
+                    self.feed.ingest(rank, reply.events.seq, reply.events.data)
+                (out,) = reply.outcomes
+                out_tokens, cached, onboarded, answer = out.output_tokens, out.cached_tokens, out.onboarded_blocks, None
+            self._served(rank, len(req.tokens), predicted, cached, migrated)
+            return CompletionResult(request.request_id, rank, out_tokens, len(req.tokens), cached,
+                                    len(req.tokens) - cached, onboarded, migrated, decision, len(died), predicted,
+                                    name, answer)
+
+    def stream(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
+               lora_id: int | None = None, model: str | None = None,
+               engine_fields: dict | None = None) -> Iterator[tuple[int, int, dict | str]]:
+        """A vLLM server's streamed completion, event by event: ``(rank, predicted, event)``, ``"[DONE]"`` last.
+
+        The router asks the server for a usage event (to count what it delivered); a server that dies before
+        its first event is retried elsewhere, one that dies later ends the stream with an error event.
+        Own ranks answer whole (``complete``); the caller streams their answer as one event.
+        """
+        name, req = self._request(prompt_tokens, max_tokens, cache_salt, lora_id, model)
+        died: set[int] = set()
+        while True:
+            decision, _ = self._place(req, name, died, migrate=False)
+            if decision is None:
+                continue
+            rank = decision.rank
+            engine = self.ranks.engine(rank)
+            if engine is None:
+                raise ValueError(f"rank {rank} is not a vLLM server; stream its answer with complete()")
+            predicted = min(decision.matched_tokens.get(rank, 0), len(req.tokens) - 1)
+            dispatch = self._dispatch(req, rank, predicted)
+            body = {**self._engine_body(req, engine_fields), "stream": True,
+                    "stream_options": {"include_usage": True}}
+            events = engine.stream(body)
+            try:
+                first = next(events)
+            except EngineUnreachableError as e:
+                with self._lock:
+                    self.account.finished(dispatch)
+                self._died(RankDiedError(rank, str(e)), died)
+                continue
+            return self._relay(rank, predicted, len(req.tokens), dispatch, first, events)
+
+    def _relay(self, rank: int, predicted: int, prompt_len: int, dispatch, first: dict | str,
+               events: Iterator[dict | str]) -> Iterator[tuple[int, int, dict | str]]:
+        cached = 0
+        try:
+            for ev in itertools.chain((first,), events):
+                if isinstance(ev, dict) and ev.get("usage"):
+                    cached = EngineCompletion(200, ev).cached_tokens
+                yield rank, predicted, ev
+        except EngineUnreachableError as e:
+            self._lost(RankDiedError(rank, str(e)))
+            yield rank, predicted, {"error": {"message": f"rank {rank} died while streaming: {e}",
+                                              "type": "engine_died"}}
+        finally:
             with self._lock:
-                s, c = self.stats, self._counter(rank)
-                s.completions += 1
-                s.prompt_tokens += len(req.tokens)
-                s.cached_tokens += out.cached_tokens
-                if migrated:
-                    s.migrations += 1
-                    s.migrated_blocks += migrated
-                c.decisions += 1
-                c.completions += 1
-                c.prompt_tokens += len(req.tokens)
-                c.cached_tokens += out.cached_tokens
-            return CompletionResult(request.request_id, rank, out.output_tokens, len(req.tokens), out.cached_tokens,
-                                    out.computed_tokens, out.onboarded_blocks, migrated, decision, len(died))
+                self.account.finished(dispatch)
+        self._served(rank, prompt_len, predicted, cached, 0)
+
+    def _request(self, prompt_tokens: Sequence[int], max_tokens: int, cache_salt: str | None,
+                 lora_id: int | None, model: str | None) -> tuple[str, RouteRequest]:
+        if type(max_tokens) is not int or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        name = self.resolve_model(model)
+        req = RouteRequest.of(prompt_tokens, self.config.tokens_per_block, max_tokens=max_tokens,
+                              cache_salt=cache_salt, lora_id=lora_id)
+        if name == OWN_MODEL and max(req.tokens) >= VOCAB_SIZE:
+            raise ValueError(f"token {max(req.tokens)} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
+        return name, req
+
+    def _place(self, req: RouteRequest, model: str, died: set[int],
+               migrate: bool = True) -> tuple[RouteDecision | None, int]:
+        """Decide, and migrate the prefix if the decision says so; ``(None, 0)``: a rank died, decide again."""
+        if len(died) > self.config.max_retries:
+            raise NoLiveRankError(f"ranks {sorted(died)} died serving the request")
+        decision = self._decide(req, model, frozenset(died), record=True)
+        if decision.migrate_from is None or not migrate:
+            return decision, 0
+        try:
+            # the whole prefix the source holds: the target shares what it has, receives the rest
+            return decision, self.ranks.migrate(req.tokens, decision.migrate_from, decision.rank, None,
+                                                req.lora_id, req.cache_salt)
+        except RankDiedError as e:
+            self._lost(e)
+            died.add(e.rank)
+            return None, 0
+        except Exception:  # a failed transfer costs a recompute, never the request
+            logger.exception("migration %d -> %d failed; rank %d computes the prefix instead",
+                             decision.migrate_from, decision.rank, decision.rank)
+            return decision, 0
+
+    def _dispatch(self, req: RouteRequest, rank: int, predicted: int):
+        tpb = self.feed.index.block_size(rank)
+        with self._lock:
+            return self.account.dispatch(rank, len(req.tokens) - predicted,
+                                         -(-(len(req.tokens) + req.max_tokens) // tpb))
+
+    def _lost(self, e: RankDiedError) -> None:
+        """``e.rank`` is gone: out of the index now; a vLLM server stays out of the live ranks until its health
+        check sees it back (own ranks' clients report themselves)."""
+        if self.ranks.engine(e.rank) is not None:
+            self.ranks.mark_down(e.rank)
+        self.feed.lost(e)
+
+    def _died(self, e: RankDiedError, died: set[int]) -> None:
+        self._lost(e)
+        died.add(e.rank)
+        with self._lock:
+            self.stats.retries += 1
+
+    @staticmethod
+    def _engine_body(req: RouteRequest, engine_fields: dict | None) -> dict:
+        """What a vLLM server is sent: the client's fields, the prompt as the token ids the router hashed."""
+        body = {**(engine_fields or {}), "prompt": list(req.tokens), "max_tokens": req.max_tokens}
+        if req.cache_salt is not None:
+            body["cache_salt"] = req.cache_salt
+        return body
+
+    def _served(self, rank: int, prompt_len: int, predicted: int, cached: int, migrated: int) -> None:
+        with self._lock:
+            s, c = self.stats, self._counter(rank)
+            s.completions += 1
+            s.prompt_tokens += prompt_len
+            s.cached_tokens += cached
+            s.predicted_tokens += predicted
+            s.cached_gap.observe(cached - predicted)
+            if migrated:
+                s.migrations += 1
+                s.migrated_blocks += migrated
+            c.decisions += 1
+            c.completions += 1
+            c.prompt_tokens += prompt_len
+            c.cached_tokens += cached
+            c.predicted_tokens += predicted
 
     def _counter(self, rank: int) -> _RankCounters:
         c = self._counters.get(rank)
@@ -265,11 +512,11 @@ class RouterService:
             try:
                 load = self.ranks.client(r).load()
             except RankDiedError as e:
-                self.feed.lost(e)
+                self._lost(e)
                 continue
             if not load.ready:
                 self.ranks.mark_down(r)
-                self.feed.lost(RankDiedError(r, "it has no ledger"))
+                self._lost(RankDiedError(r, "it has no ledger"))
                 continue
             loads[r] = load
         with self._lock:
@@ -283,8 +530,11 @@ class RouterService:
         feed, index = self.feed, self.feed.index
         events = {r: feed.counters(r) for r in live}
         foreign_engines = feed.foreign_engines()
+        rejected = feed.rejections.by_rank()
+        engines = self.ranks.engines()
         with feed.lock:
-            held = {r: (index.num_blocks(r), index.next_seq(r)) for r in [*live, *foreign_engines]}
+            held = {r: (index.num_blocks(r), index.next_seq(r), index.block_size(r))
+                    for r in [*live, *foreign_engines]}
             ix, total_blocks = index.stats, index.num_blocks()
             applied, duplicate = ix.batches_applied, ix.batches_duplicate
             replays, snapshots = ix.replays_requested, ix.snapshots_loaded
@@ -301,29 +551,41 @@ class RouterService:
                         "CPU": TierBlocks(load.host_blocks_used, load.host_blocks_free)},
                     None if load is None else load.cache_hit_rate, held[r][0], held[r][1], events_total,
                     events_per_s, batches, c.decisions, c.completions, c.prompt_tokens, c.cached_tokens, inflight,
-                    queued_tokens))
+                    queued_tokens, c.predicted_tokens, engines[r].info.model if r in engines else OWN_MODEL,
+                    held[r][2], engines[r].server.url if r in engines else None, rejected.get(r, {})))
             s = self.stats
             totals = RouterTotals(s.completions, s.prompt_tokens, s.cached_tokens,
                                   s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0, s.migrations,
                                   s.migrated_blocks, s.retries, feed.ranks_removed, total_blocks, applied, duplicate,
-                                  replays, snapshots, feed.log.next_id)
-        foreign = [ForeignReport(r, endpoint, *held[r]) for r, endpoint in foreign_engines.items()]
+                                  replays, snapshots, feed.log.next_id, s.predicted_tokens,
+                                  s.cached_tokens / s.predicted_tokens if s.predicted_tokens else None,
+                                  feed.rejections.total())
+        live_set = set(live)
+        foreign = [ForeignReport(r, name, *held[r][:2], r in live_set or r not in engines, held[r][2],
+                                 rejected.get(r, {})) for r, name in foreign_engines.items()]
         return ClusterReport(self.policy.name, self.config.tokens_per_block, ranks, foreign, totals)
 
-    def probe_latency(self) -> LatencyHistogram:
+    def probe_latency(self) -> Histogram:
         """A copy of the probe latency histogram."""
         with self._lock:
             return _copy_hist(self.stats.probe_latency)
 
+    def cached_gap(self) -> Histogram:
+        """A copy of the histogram of delivered minus predicted cached tokens."""
+        with self._lock:
+            return _copy_hist(self.stats.cached_gap)
+
     def close(self) -> None:
         self.feed.close()
+        self.ranks.close()
 
 
-def _copy_hist(h: LatencyHistogram) -> LatencyHistogram:
-    out = LatencyHistogram(h.bounds)
+def _copy_hist(h: Histogram) -> Histogram:
+    out = Histogram(h.bounds)
     out.counts = list(h.counts)
     out.sum, out.count = h.sum, h.count
     return out
 
 
-__all__ = ["CompletionResult", "RankProbe", "RouterService", "ServiceStats", "retention_for"]
+__all__ = ["CompletionResult", "EngineRefusedError", "OWN_MODEL", "RankProbe", "RouterService", "ServiceStats",
+           "UnknownModelError", "retention_for"]

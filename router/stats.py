@@ -1,8 +1,9 @@
 """The router's own numbers, as plain objects: the edges (``router.http``) export them as metrics.
 
 ``RateMeter`` turns counts into a per-second rate over a sliding window of an
-injected clock; ``LatencyHistogram`` keeps cumulative bucket counts the way a
-Prometheus histogram reports them, without knowing Prometheus.
+injected clock; ``Histogram`` keeps cumulative bucket counts (probe latencies,
+the gap between predicted and delivered cached tokens) the way a Prometheus
+histogram reports them, without knowing Prometheus.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 #: Probe latency buckets, seconds: a probe is a hash per block and a dict walk, so microseconds to milliseconds.
 PROBE_BUCKETS_S: tuple[float, ...] = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                                       0.1)
+#: Delivered minus predicted cached tokens: negative when the index promised more than the engine reused.
+GAP_BUCKETS_TOKENS: tuple[float, ...] = (-1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024)
 
 
 class RateMeter:
@@ -48,7 +51,7 @@ class RateMeter:
 
 
 @dataclass(slots=True)
-class LatencyHistogram:
+class Histogram:
     """Counts per upper bound (``le``), cumulative when read; plus the sum and count of observations."""
 
     bounds: Sequence[float] = PROBE_BUCKETS_S
@@ -61,9 +64,9 @@ class LatencyHistogram:
             raise ValueError(f"bounds must be non-empty and ascending, got {self.bounds!r}")
         self.counts = [0] * (len(self.bounds) + 1)   # the last one is +Inf
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.sum += seconds
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
         self.count += 1
 
     def cumulative(self) -> list[tuple[float, int]]:

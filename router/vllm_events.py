@@ -7,8 +7,19 @@ on a PUB socket, and answers replays on a ROUTER socket: a DEALER sends
 ``kvledger.worker.wire.events.decode_batch`` reads (map or array layout); ``ForeignFeed``
 re-hashes their blocks so probes see them as ours.
 
+vLLM's publisher binds its PUB socket when its endpoint's host is a wildcard
+(``tcp://*:5557``) and *connects* it to the endpoint otherwise; the subscriber
+does the opposite. An endpoint that names a host is ambiguous once vLLM has
+bound ``tcp://*:0`` (it reports the address it got), so ``bind=None`` binds
+if the address is free here and connects if it is taken or not ours (vLLM
+holds it). The replay socket is always the engine's to bind.
+
 A vLLM engine keeps no snapshot: when a replay cannot reach back, the rank is
 reset empty at the current number and fills again as the engine stores blocks.
+A batch the index cannot take is counted in the feed's ``Rejections`` (and
+logged once), never dropped in silence. A subscriber of an engine that left
+the live ranks is paused (it drops what arrives); ``resync`` takes it back: the
+engine's rank starts empty and is filled from the engine's replay buffer.
 """
 from __future__ import annotations
 
@@ -19,7 +30,8 @@ from dataclasses import dataclass
 import zmq
 
 from kvledger.router.foreign import ForeignFeed
-from kvledger.router.index import ApplyStatus
+from kvledger.router.index import ApplyResult, ApplyStatus, BlockSizeError
+from kvledger.router.rejections import BLOCK_SIZE, INVALID, MALFORMED
 from kvledger.worker.wire.events import EventBatch, EventDecodeError, decode_batch
 
 logger = logging.getLogger(__name__)
@@ -43,7 +55,8 @@ class VllmEventSubscriber:
     """
 
     def __init__(self, feed: ForeignFeed, rank: int, endpoint: str, replay_endpoint: str | None = None,
-                 topic: str = "", lock: threading.Lock | None = None, replay_timeout_ms: int = 2000) -> None:
+                 topic: str = "", lock: threading.Lock | None = None, replay_timeout_ms: int = 2000,
+                 bind: bool | None = False) -> None:
         if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"endpoint must be a ZMQ address like tcp://host:port, got {endpoint!r}")
         self.feed, self.rank, self.endpoint = feed, rank, endpoint
@@ -51,11 +64,47 @@ class VllmEventSubscriber:
         self.lock = lock or threading.Lock()
         self.replay_timeout_ms = replay_timeout_ms
         self.stats = SubscriberStats()
+        self.topic = topic
         self._ctx = zmq.Context.instance()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
+        self._sub = self._subscribe(endpoint, bind)
         self._stop = threading.Event()
+        self._paused = False
+        self._resync = threading.Event()
+        self._moved_to: tuple[str, str | None, bool | None] | None = None
+
+    def _subscribe(self, endpoint: str, bind: bool | None) -> zmq.Socket:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        self.bound = False
+        if bind is not False:
+            try:
+                sub.bind(endpoint)
+                self.bound = True
+            except zmq.ZMQError:
+                if bind:
+                    sub.close(linger=0)
+                    raise
+                # in use (the engine bound it) or another host's address: the engine listens there
+        if not self.bound:
+            sub.connect(endpoint)
+        return sub
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Drop what arrives until ``resync`` (the engine left the index)."""
+        self._paused = True
+
+    def resync(self, endpoint: str | None = None, replay_endpoint: str | None = None,
+               bind: bool | None = False) -> None:
+        """Start the rank over from the engine's replay buffer, on the subscriber's own thread; with ``endpoint``,
+        subscribe there from now on (a restarted engine may publish elsewhere)."""
+        if endpoint is not None and (endpoint, replay_endpoint) != (self.endpoint, self.replay_endpoint):
+            self._moved_to = (endpoint, replay_endpoint, bind)
+        self._resync.set()
+        self._paused = False
 
     def close(self) -> None:
         self._stop.set()
@@ -71,35 +120,48 @@ class VllmEventSubscriber:
 
     def poll_once(self, timeout_ms: int) -> bool:
         """Apply at most one published batch; whether one arrived within ``timeout_ms``."""
+        if self._resync.is_set():
+            self._resync.clear()
+            self._start_over()
         if not self._sub.poll(timeout_ms):
             return False
         frames = self._sub.recv_multipart()
+        if self._paused:
+            return True
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.batches_malformed += 1
-            logger.warning("vLLM events from %s: unexpected frames %d", self.endpoint, len(frames))
+            self.feed.rejections.add(self.rank, MALFORMED, f"{self.endpoint} sent {len(frames)} frames, not "
+                                     "(topic, 8-byte seq, payload)")
             return True
         self._handle(int.from_bytes(frames[1], "big"), frames[2])
         return True
 
-    def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
-        """The batch under our rank number (vLLM's own is its data-parallel rank); ``None`` if malformed."""
+    def _apply(self, seq: int, payload: bytes) -> ApplyResult:
+        """Decode and apply batch ``seq`` under our rank number (vLLM's own is its data-parallel rank).
+
+        A batch the index cannot take is counted, and an empty one stands in for it so the numbering goes
+        on (a replay would only fetch it again).
+        """
         try:
-            batch = decode_batch(payload)
+            decoded = decode_batch(payload)
+            with self.lock:
+                result = self.feed.apply(self.rank, seq, EventBatch(decoded.ts, decoded.events, self.rank))
+            if result.applied:
+                self.stats.batches_applied += 1
+            return result
         except EventDecodeError as e:
             self.stats.batches_malformed += 1
-            logger.warning("vLLM events from %s: batch %d rejected: %s", self.endpoint, seq, e)
-            return None
-        return EventBatch(batch.ts, batch.events, self.rank)
+            self.feed.rejections.add(self.rank, MALFORMED, f"batch {seq} from {self.endpoint}: {e}")
+        except BlockSizeError as e:
+            self.feed.rejections.add(self.rank, BLOCK_SIZE, f"batch {seq} from {self.endpoint}: {e}")
+        except (TypeError, ValueError) as e:
+            self.feed.rejections.add(self.rank, INVALID, f"batch {seq} from {self.endpoint}: {e}")
+        with self.lock:
+            return self.feed.apply(self.rank, seq, EventBatch(0.0, [], self.rank))
 
     def _handle(self, seq: int, payload: bytes) -> None:
-        batch = self._decode(seq, payload)
-        if batch is None:
-            return
-        with self.lock:
-            result = self.feed.apply(self.rank, seq, batch)
-        if result.status is ApplyStatus.APPLIED:
-            self.stats.batches_applied += 1
-        elif result.status is ApplyStatus.REPLAY:
+        result = self._apply(seq, payload)
+        if result.status is ApplyStatus.REPLAY:
             self._catch_up(result.next_seq, seq, payload)
         elif result.status is ApplyStatus.SNAPSHOT:
             self._reset_and_apply(seq, payload)
@@ -112,23 +174,31 @@ class VllmEventSubscriber:
             return
         for s, data in missed:
             if s < seq:
-                self._apply_raw(s, data)
+                self._apply(s, data)
                 self.stats.batches_replayed += 1
-        self._apply_raw(seq, payload)
+        self._apply(seq, payload)
+
+    def _start_over(self) -> None:
+        """Empty the rank and apply whatever the engine's replay buffer still holds, from its oldest batch."""
+        moved, self._moved_to = self._moved_to, None
+        if moved is not None:
+            self._sub.close(linger=0)
+            self.endpoint, self.replay_endpoint, bind = moved
+            self._sub = self._subscribe(self.endpoint, bind)
+            logger.info("vLLM engine rank %d publishes on %s now", self.rank, self.endpoint)
+        missed = self._replay(0) if self.replay_endpoint else None
+        with self.lock:
+            self.feed.reset(self.rank, missed[0][0] if missed else 0)
+        self.stats.resets += 1
+        for s, data in missed or ():
+            self._apply(s, data)
+            self.stats.batches_replayed += 1
 
     def _reset_and_apply(self, seq: int, payload: bytes) -> None:
         with self.lock:
             self.feed.reset(self.rank, seq)
         self.stats.resets += 1
-        self._apply_raw(seq, payload)
-
-    def _apply_raw(self, seq: int, payload: bytes) -> None:
-        batch = self._decode(seq, payload)
-        if batch is None:
-            return
-        with self.lock:
-            if self.feed.apply(self.rank, seq, batch).status is ApplyStatus.APPLIED:
-                self.stats.batches_applied += 1
+        self._apply(seq, payload)
 
     def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Ask the engine for its buffered batches from ``start``; ``None`` if it does not answer in time."""

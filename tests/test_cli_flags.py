@@ -172,7 +172,9 @@ def test_up_help_shows_every_config_with_its_docstring_and_default(capsys, monke
     for title in ("cluster:", "cache (each rank):", "router:", "kv policy (with --policy kv):",
                   "llm_d policy (with --policy llm_d):", "router HTTP API:"):
         assert title in text
-    assert "--ranks INT Rank actors (one per GPU on a GPU cluster). (default: 2)" in text
+    assert ("--ranks INT Rank actors (one per GPU on a GPU cluster); 0: none, the router fronts vLLM servers only "
+            "(`--vllm`). (default: 2)") in text
+    assert "--vllm STR vLLM OpenAI servers to route to as well" in text
     assert "--cpus-per-rank FLOAT" in text and "--device {auto,cpu,cuda}" in text
     assert "--tokens-per-block INT Tokens whose K/V one block holds. (default: 16)" in text
     assert "--dtype {float16,bfloat16,float32} Element type of the pools. (default: float32)" in text
@@ -257,7 +259,8 @@ def test_detach_and_its_abbreviation_hand_the_options_to_the_detached_owner(ran,
      "--dynamo-overlap-score-weight: option(s) of policy 'dynamo', but the policy is 'kv'"),
     (["--kv-prefill-s-per-token", "1", "--policy", "llm_d"],
      "--kv-prefill-s-per-token: option(s) of policy 'kv', but the policy is 'llm_d'"),
-    (["--ranks", "0"], "argument --ranks: ClusterConfig.num_ranks must be an int >= 1"),
+    (["--ranks", "-1"], "argument --ranks: ClusterConfig.num_ranks must be an int >= 0"),
+    (["--ranks", "0"], "--ranks 0 starts no rank of its own: give the router vLLM servers (--vllm URL)"),
     (["--port", "70000"], "argument --port: port must be in 0..65535"),
     (["--primary-bytes", "lots"], "argument --primary-bytes: expected a size such as 64MiB"),
     (["--dtype", "int8"], "argument --dtype: invalid choice 'int8'"),

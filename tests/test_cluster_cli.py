@@ -120,7 +120,11 @@ def refused(capsys, *argv: str) -> str:
 
 
 def test_bad_arguments_and_no_cluster_are_clear_errors(home, capsys):
-    assert "argument --ranks: ClusterConfig.num_ranks must be an int >= 1" in refused(capsys, "up", "--ranks", "0")
+    assert "argument --ranks: ClusterConfig.num_ranks must be an int >= 0" in refused(capsys, "up", "--ranks", "-1")
+    assert "--ranks 0 starts no rank of its own: give the router vLLM servers (--vllm URL)" in refused(
+        capsys, "up", "--ranks", "0")
+    assert "argument --vllm: vllm servers are http://HOST:PORT, got 'localhost:8000'" in refused(
+        capsys, "up", "--ranks", "0", "--vllm", "localhost:8000")
     assert "cannot be combined with --detach" in refused(capsys, "up", "--detach", "--workload", "bundled")
     assert "argument --port: port must be in 0..65535" in refused(capsys, "up", "--port", "70000")
     assert "argument --policy: invalid choice 'fastest'" in refused(capsys, "up", "--policy", "fastest")

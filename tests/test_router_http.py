@@ -59,7 +59,10 @@ def test_completions_report_the_real_reused_count(router):
     shared = prefix("reuse")   # nothing before this test holds it, whatever ran first
     first = client.post("/v1/completions", json={"prompt": shared + "Alpha?", "max_tokens": 5}).json()
     second = client.post("/v1/completions", json={"prompt": shared + "Beta!", "max_tokens": 5,
-                                                  "model": "anything"}).json()
+                                                  "model": "kvledger-reference"}).json()
+    unknown = client.post("/v1/completions", json={"prompt": shared, "model": "anything"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
+    assert "'anything' is not served here" in unknown.json()["error"]["message"]
     assert first["object"] == "text_completion" and first["usage"]["completion_tokens"] == 5
     assert first["usage"]["prompt_tokens"] == len(encode(shared + "Alpha?"))
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -96,14 +99,31 @@ def test_route_and_probe_agree_with_the_ranks(router):
     assert held["tiers"] == {"GPU": 44, "CPU": 0} and exact["ranks"][0]["tiers"] is None
 
 
+def test_models_and_a_streamed_completion_as_server_sent_events(router):
+    _, _, client = router
+    models = client.get("/v1/models").json()
+    assert [(m["id"], m["owned_by"], m["kvledger"]["ranks"]) for m in models["data"]] == [
+        ("kvledger-reference", "kvledger", [0, 1])]
+    body = {"prompt": prefix("stream"), "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    text, usage = chunks
+    assert text["choices"][0]["text"] == decode(text["kvledger"]["output_token_ids"]) and "usage" not in text
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+
+
 @pytest.mark.parametrize("body, status, needle", [
     ({"prompt": ""}, 422, "prompt"),
     ({"prompt": [1, -1]}, 422, "prompt"),
     ({"prompt": [1, 2], "max_tokens": -3}, 422, "max_tokens"),
     ({"prompt": "x", "max_tokens": "5"}, 422, "max_tokens"),
     ({"prompt": "x", "priority": 101}, 422, "priority"),
-    ({"prompt": "x", "temperature": 0.7}, 422, "temperature"),
-    ({"prompt": "x", "stream": True}, 422, "stream"),
+    ({"prompt": "x", "temperature": 0.7}, 400, "temperature=0.7: the kvledger-reference ranks decode greedily"),
+    ({"prompt": "x", "top_k": 5}, 422, "top_k"),
+    ({"prompt": "x", "stream": "yes"}, 422, "stream"),
     ({"prompt": [1, 600]}, 400, "vocabulary"),
     ({"max_tokens": 3}, 422, "prompt"),
 ])
@@ -204,7 +224,7 @@ def test_a_real_vllm_engines_events_show_in_probes_but_never_get_requests():
             assert out["kvledger"]["rank"] == 0, "a foreign engine is indexed, never routed to"
             foreign = client.get("/v1/cluster").json()["foreign"]
             assert foreign == [{"rank": rank, "endpoint": f"tcp://127.0.0.1:{engine.pub_port}", "index_blocks": 2,
-                                "next_seq": 1}]
+                                "next_seq": 1, "live": True, "block_size": T, "rejected": {}}]
     finally:
         server.stop()
         service.close()

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvledger.router.index import PrefixIndex
+from kvledger.router.load import LoadAccount, ReportedQueue
 from kvledger.router.policies import (CacheAwarePolicy, KvCostModel, KvPolicy, NoLiveRankError, RankState,
                                       RouteDecision, RouteRequest, make_policy, policy_names)
 from kvledger.router.policies.approx_tree import ApproxTree
@@ -192,6 +193,27 @@ def test_kv_stays_on_the_holder_when_it_is_not_overloaded_or_migration_is_off():
     no_moves = dataclasses.replace(COST, allow_migration=False)
     d = KvPolicy(no_moves).route(req(PROMPT41), BUSY, {0: held(10)})
     assert (d.rank, d.migrate_from) == (1, None)
+
+
+def test_kv_never_migrates_to_or_from_a_rank_kv_cannot_move_to_and_counts_its_tokens_at_its_block_size():
+    vllm_busy = [dataclasses.replace(BUSY[0], migratable=False), *BUSY[1:]]
+    d = KvPolicy(COST).route(req(PROMPT41), vllm_busy, {0: held(10), 2: held(3)})
+    assert (d.rank, d.migrate_from, d.migrate_blocks) == (1, 2, 3), "the movable holder is the source"
+    assert d.scores[1] == pytest.approx(30 * 1e-3 + 1e-3 + 3 * 1e-4)
+    # a vLLM server at 8 tokens per block holding 5 blocks holds 40 tokens: counted as tokens, not our blocks
+    d = KvPolicy(COST).route(req(PROMPT41), [RankState(0, migratable=False), RankState(1)],
+                             {0: PrefixMatch(5, 40, 0), 1: held(9)})
+    assert d.rank == 0 and d.scores[0] == pytest.approx(2e-3) and d.scores[1] == pytest.approx(6e-3)
+
+
+def test_an_engines_own_queue_count_wins_where_it_is_larger():
+    account = LoadAccount()
+    account.dispatch(0, 100, 4)
+    mine = account.state(0, 0.0)
+    assert (mine.queued_requests, mine.running_requests, mine.queued_prefill_tokens) == (1, 0, 100)
+    theirs = account.state(0, 0.0, 10, 20, ReportedQueue(waiting=5, running=3), migratable=False)
+    assert (theirs.queued_requests, theirs.running_requests, theirs.queued_prefill_tokens) == (5, 3, 100)
+    assert (theirs.kv_used_blocks, theirs.kv_total_blocks, theirs.migratable) == (10, 20, False)
 
 
 def test_kv_cost_model_rejects_bad_values():

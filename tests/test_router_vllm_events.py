@@ -10,7 +10,7 @@ import zmq
 
 from kvledger.router.foreign import ForeignFeed
 from kvledger.router.index import PrefixIndex
-from kvledger.router.probe import probe
+from kvledger.router.probe import match_all_sizes, probe, prompt_hashes
 from kvledger.router.vllm_events import END_SEQ, VllmEventSubscriber
 
 T = 4
@@ -135,6 +135,35 @@ def test_malformed_payloads_are_counted_not_applied(engine):
     pub.pub.send_multipart((b"", (0).to_bytes(8, "big"), b"\xc1garbage"))
     assert sub.poll_once(5000)
     assert sub.stats.batches_malformed == 1 and sub.stats.batches_applied == 0
+    assert sub.feed.rejections.by_rank() == {VLLM_RANK: {"malformed": 1}}
+    pub.seq = 1   # the next batch follows the rejected one: its number was kept, nothing is replayed
+    prompt = list(range(60, 68))
+    pub.publish([vllm_stored([0xE1, 0xE2], None, prompt)])
+    assert sub.poll_once(5000)
+    assert matched(index, prompt + [0]) == 8 and sub.stats.batches_replayed == 0
+
+
+def test_an_engine_at_another_block_size_is_indexed_at_its_own_and_a_wrong_one_is_counted(engine, caplog):
+    pub, index, sub = engine
+    prompt = list(range(70, 82))
+    index.set_block_size(VLLM_RANK, 2 * T)   # the engine says 8 tokens per block; the index's default is 4
+    pub.publish([vllm_stored([0xF1], None, prompt[:4])])   # block_size 4: not the engine's
+    pub.publish([vllm_stored([0xF2], None, prompt[4:8])])
+    for _ in range(2):
+        assert sub.poll_once(5000)
+    assert sub.feed.rejections.by_rank() == {VLLM_RANK: {"block_size": 2}}
+    logged = [r.getMessage() for r in caplog.records if "rejected events" in r.getMessage()]
+    assert len(logged) == 1 and "block_size 4 differs from the engine's 8 tokens per block" in logged[0]
+    good = vllm_stored([0xF3], None, prompt[:8])
+    good["block_size"] = 2 * T
+    pub.publish([good])
+    assert sub.poll_once(5000)
+    assert matched_all(index, prompt) == {VLLM_RANK: 8}, "indexed at 8 tokens per block"
+
+
+def matched_all(index: PrefixIndex, tokens: list[int]) -> dict[int, int]:
+    hashes = prompt_hashes(tokens, index.tokens_per_block)
+    return {r: m.matched_tokens for r, m in match_all_sizes(index, tokens, hashes).items()}
 
 
 def test_endpoint_must_be_a_zmq_address():

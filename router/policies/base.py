@@ -45,13 +45,15 @@ class RankState:
     kv_used_blocks: int = 0
     kv_total_blocks: int = 0
     """Device-tier blocks in the pool; 0 = unknown (utilisation then reads 0)."""
+    migratable: bool = True
+    """Whether KV can be moved to or from it (kvledger's own ranks; not a vLLM server)."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "queued_requests", "queued_prefill_tokens", "running_requests",
                      "running_decode_blocks", "kv_used_blocks", "kv_total_blocks"):
             _nonneg_int(getattr(self, name), name)
-        if type(self.alive) is not bool:
-            raise TypeError(f"alive must be a bool, got {type(self.alive).__name__}")
+        if type(self.alive) is not bool or type(self.migratable) is not bool:
+            raise TypeError("alive and migratable must be bools")
         if self.kv_total_blocks and self.kv_used_blocks > self.kv_total_blocks:
             raise ValueError(f"kv_used_blocks {self.kv_used_blocks} exceeds kv_total_blocks {self.kv_total_blocks}")
 

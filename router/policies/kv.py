@@ -65,15 +65,18 @@ class KvPolicy(ConfiguredPolicy):
         match = {s.rank: matches.get(s.rank, empty) for s in live}
         load = {s.rank: s.queued_prefill_tokens * c.prefill_s_per_token
                 + s.running_decode_blocks * c.decode_s_per_block for s in live}
-        scores = {r: load[r] + (n - m.matched_blocks * bs) * c.prefill_s_per_token
+        scores = {r: load[r] + (n - m.matched_tokens) * c.prefill_s_per_token
                   + m.host_blocks * c.onboard_s_per_block for r, m in match.items()}
         migrations: dict[int, tuple[int, int]] = {}   # target -> (source, blocks moved)
-        if c.allow_migration and len(live) > 1:
-            src = max(match, key=lambda r: (match[r].matched_blocks, -scores[r]))
+        movable = {s.rank for s in live if s.migratable}
+        if c.allow_migration and len(movable) > 1:
+            src = max(movable, key=lambda r: (match[r].matched_blocks, -scores[r]))
             top = match[src].matched_blocks
             tail = (n - top * bs) * c.prefill_s_per_token
             for r, m in match.items():
                 moved = top - m.matched_blocks
+                if r not in movable:
+                    continue
                 if moved <= 0:
                     continue
                 cost = (load[r] + tail + m.host_blocks * c.onboard_s_per_block

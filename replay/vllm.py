@@ -1,0 +1,149 @@
+"""``kvledger bench --engine vllm``: the trace replayed through real vLLM servers, one policy after another.
+
+The servers are the ranks (``--vllm URL``, one rank each). For every policy the
+servers' prefix caches are emptied (``POST /reset_prefix_cache``, which vLLM
+serves only with ``VLLM_SERVER_DEV_MODE=1``; otherwise restart them between
+policies) and a fresh router with that policy runs in this process, its HTTP
+API on 127.0.0.1, subscribed to the servers' KV events; the trace goes through
+it exactly as ``--engine tiny`` sends it (``replay.tiny.PolicyReplay``).
+
+The workload is fitted to the servers' model: token ids are drawn below its
+vocabulary (read from its tokenizer), prompts cut so that prompt and output fit
+its maximum length (the servers must serve one model; their block sizes may
+differ, the bounds are computed at the smallest).
+Requests carry no cache salt and no LoRA id: a vLLM server keeps a salt in the
+``extra_keys`` of its events, which the router does not read yet, and has no
+adapters loaded. Besides TTFT (the measured completion latency) and hit rate,
+each policy reports the cached tokens the router predicted against those the
+servers delivered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from kvledger.replay.bounds import compute_bounds
+from kvledger.replay.config import START_TIMEOUT_S, BenchConfig
+from kvledger.replay.report import summarize
+from kvledger.replay.result import BenchResult
+from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
+from kvledger.replay.tiny import PolicyReplay, load_tiny_trace
+from kvledger.replay.trace import BlockChains, Trace, expand_tokens
+from kvledger.router.feed import FOREIGN_RANK_BASE
+from kvledger.router.prompt_tokenizer import HfTokenizer
+from kvledger.router.vllm_ranks import VllmEngine
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerFacts:
+    """What the replay needs to know of the servers, which must agree on it."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    """The smallest of the servers' (each is indexed at its own; the bounds are computed at this one)."""
+
+
+def server_facts(urls: tuple[str, ...]) -> ServerFacts:
+    """Ask each server (``VllmServer.discover``); a ``ValueError`` names what they disagree on or lack."""
+    facts = []
+    for i, url in enumerate(urls):
+        engine = VllmEngine.connect(FOREIGN_RANK_BASE + i, url)
+        try:
+            info, tok = engine.info, engine.tokenizer
+            if info.block_size is None or info.max_model_len is None:
+                raise ValueError(f"vLLM server {url} reports no block size or maximum model length")
+            if not isinstance(tok, HfTokenizer):
+                raise ValueError(f"vLLM server {url}: the bench draws token ids below the model's vocabulary and "
+                                 f"reads it from the model's tokenizer.json, which is not readable here "
+                                 f"({info.model_root})")
+            facts.append(ServerFacts(info.model, info.max_model_len, tok.vocab_size, info.block_size))
+        finally:
+            engine.close()
+    if len({(f.model, f.max_model_len, f.vocab_size) for f in facts}) > 1:
+        raise ValueError(f"the vLLM servers serve different models (model, length or vocabulary): {facts}")
+    return dataclasses.replace(facts[0], block_size=min(f.block_size for f in facts))
+
+
+class VllmPolicyReplay(PolicyReplay):
+    """One policy through the servers: caches emptied, a fresh in-process router, the trace over HTTP."""
+
+    rank_base = FOREIGN_RANK_BASE
+
+    def __init__(self, trace: Trace, tokens: list[list[int]], policy: str, sim: SimConfig, options, name: str,
+                 urls: tuple[str, ...]) -> None:
+        super().__init__(trace, tokens, policy, sim, options, name)
+        self.urls = urls
+
+    def run(self, progress: Callable[[int], None] | None = None) -> tuple[PolicyRun, dict[str, object]]:
+        import httpx
+
+        from kvledger.router.config import RouterConfig
+        from kvledger.router.http import HttpServer, make_app
+        from kvledger.router.service import RouterService
+        from kvledger.router.vllm_server import VllmServer
+
+        wall0 = time.perf_counter()
+        for url in self.urls:
+            server = VllmServer(url)
+            try:
+                server.reset_prefix_cache()
+            finally:
+                server.close()
+        s = self.sim
+        service = RouterService(None, RouterConfig(tokens_per_block=s.tokens_per_block, policy=self.policy,
+                                                   seed=s.seed, vllm=self.urls,
+                                                   policy_options=migration_options(self.policy, False)))
+        try:
+            http = HttpServer(make_app(service), port=0).start(START_TIMEOUT_S)
+            try:
+                return self._replay(http.url, httpx, progress, time.perf_counter() - wall0, wall0)
+            finally:
+                http.stop()
+        finally:
+            service.close()
+
+
+def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
+             on_trace: Callable[[Trace, list[str]], None] | None = None) -> BenchResult:
+    """``runner.run`` for ``engine == "vllm"`` (see the module docstring)."""
+    wall0 = time.perf_counter()
+    urls = config.vllm
+    facts = server_facts(urls)
+    options = config.tiny
+    fitted = dataclasses.replace(options, max_input_tokens=min(options.max_input_tokens,
+                                                               facts.max_model_len - options.max_output_tokens))
+    trace, tpb = load_tiny_trace(config.trace, config.limit, facts.block_size, config.seed, fitted)
+    trace = Trace(trace.name, trace.block_size, [dataclasses.replace(r, cache_salt=None, lora_id=None)
+                                                 for r in trace.requests])
+    chains_of = BlockChains(trace.block_size, tpb)
+    chains = [chains_of.chain(r) for r in trace.requests]
+    ranks = len(urls)
+    sim = SimConfig(ranks=ranks, capacity_blocks=max(len(chains_of), 1) * ranks, tokens_per_block=tpb,
+                    speed=config.speed, migration=False, seed=config.seed)
+    check_fits(trace, sim)
+    bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb, sim.capacity_blocks)
+    tokens = [expand_tokens(r.hash_ids, r.input_length, trace.block_size, vocab_size=facts.vocab_size)
+              for r in trace.requests]
+    policies = config.policies
+    if on_trace is not None:
+        on_trace(trace, policies)
+    runs: dict[str, PolicyRun] = {}
+    extras: dict[str, dict[str, object]] = {}
+    for p in policies:
+        replay = VllmPolicyReplay(trace, tokens, p, sim, fitted, f"kvledger-bench-vllm-{p}", urls)
+        runs[p], extras[p] = replay.run((lambda k, p=p: progress(p, k)) if progress else None)
+    summaries = {p: summarize(r, bounds, ranks) for p, r in runs.items()}
+    extra = {"vllm": {"servers": list(urls), "model": facts.model, "max_model_len": facts.max_model_len,
+                      "vocab_size": facts.vocab_size, "max_input_tokens": fitted.max_input_tokens,
+                      "max_output_tokens": fitted.max_output_tokens, "concurrency": fitted.concurrency,
+                      "ttft": "measured completion latency from the scheduled arrival",
+                      "capacity": "the servers' own KV pools (the bounds assume an unlimited cache)",
+                      "policies": extras}}
+    return BenchResult(trace, sim, bounds, runs, summaries, time.perf_counter() - wall0, len(chains_of),
+                       engine="vllm", extra=extra)
+
+
+__all__ = ["ServerFacts", "run_vllm", "server_facts"]

@@ -1,0 +1,211 @@
+"""One real vLLM OpenAI server as the router reaches it over HTTP: what it is, how loaded, and its completions.
+
+``VllmServer.discover`` asks the server itself for everything the router needs
+to index and route to it, so ``kvledger up --vllm URL`` takes nothing else:
+
+- the model (``GET /v1/models``: its id, the path it was loaded from, its
+  maximum length);
+- the block size and block count (the labels of ``vllm:cache_config_info`` in
+  ``/metrics``);
+- the KV-event publisher (``GET /kv_event_sources``: its config per
+  data-parallel rank), turned into where the router subscribes
+  (``EventSource``).
+
+``load`` reads the queue and the KV usage from ``/metrics``
+(``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``) with prometheus-client's own parser.
+Completions go through as JSON or, streamed, as the server's own
+server-sent-event lines. Every call has a timeout; a server that does not
+answer raises ``EngineUnreachableError``.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class EngineUnreachableError(RuntimeError):
+    """The server did not answer (refused, reset, timed out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where the router subscribes to one engine's KV events."""
+
+    endpoint: str
+    """The address the router's SUB socket connects to or binds."""
+    bind: bool | None
+    """``False``: vLLM binds (its endpoint was a wildcard), the router connects. ``None``: the endpoint names a
+    host, which vLLM either connects to (the router must bind it) or bound itself (``tcp://*:0`` is reported as
+    the address it got); the subscriber binds if it can, else connects."""
+    replay_endpoint: str | None
+    topic: str
+
+
+@dataclass(frozen=True, slots=True)
+class VllmServerInfo:
+    """What a server said about itself."""
+
+    url: str
+    model: str
+    model_root: str | None
+    """The path or hub name the model was loaded from (its tokenizer lives there)."""
+    max_model_len: int | None
+    block_size: int | None
+    num_blocks: int | None
+    events: EventSource | None
+    """``None`` when the server publishes no KV events (then it is routed to blind)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    waiting: int
+    running: int
+    kv_usage: float
+    """Share of the KV blocks in use, 0..1."""
+
+
+def event_source(config: dict, server_host: str) -> EventSource | None:
+    """The subscription for one publisher config as ``/kv_event_sources`` gives it (vLLM's ``KVEventsConfig``)."""
+    if not config.get("enable_kv_cache_events") or config.get("publisher") != "zmq":
+        return None
+    endpoint = str(config["endpoint"])
+    # vLLM binds wildcard and ipc/inproc endpoints, and connects to the rest
+    vllm_binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    replay = config.get("replay_endpoint")
+    return EventSource(_reachable(endpoint, server_host) if vllm_binds else endpoint, False if vllm_binds else None,
+                       None if replay is None else _reachable(str(replay), server_host), str(config.get("topic", "")))
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    """A bound endpoint as a client reaches it: a wildcard host is the server's own."""
+    return endpoint.replace("*", host, 1) if "*" in endpoint else endpoint
+
+
+class VllmServer:
+    """An HTTP client of one vLLM server (see the module docstring)."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0, completion_timeout_s: float = 300.0) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"a vLLM server is http://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self.host = parts.hostname
+        self._timeout = httpx.Timeout(timeout_s)
+        self._completion_timeout = httpx.Timeout(completion_timeout_s, connect=timeout_s)
+        self._http = httpx.Client(base_url=self.url, timeout=self._timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _get(self, path: str) -> httpx.Response:
+        try:
+            r = self._http.get(path)
+        except httpx.TransportError as e:
+            raise EngineUnreachableError(f"vLLM server {self.url}: GET {path}: {e!r}") from e
+        r.raise_for_status()
+        return r
+
+    def _post(self, path: str, body: dict, timeout: httpx.Timeout | None = None) -> httpx.Response:
+        try:
+            return self._http.post(path, json=body, timeout=timeout or self._timeout)
+        except httpx.TransportError as e:
+            raise EngineUnreachableError(f"vLLM server {self.url}: POST {path}: {e!r}") from e
+
+    def healthy(self) -> bool:
+        """Whether ``GET /health`` answers 200."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def discover(self) -> VllmServerInfo:
+        """Ask the server what it serves, at what block size, and where it publishes events."""
+        models = self._get("/v1/models").json()["data"]
+        if not models:
+            raise ValueError(f"vLLM server {self.url} serves no model")
+        model = models[0]
+        info = _labels(self._get("/metrics").text, "vllm:cache_config_info")
+        sources = self._get("/kv_event_sources").json() if self._has_event_sources() else {}
+        configs = [sources[k] for k in sorted(sources, key=int)]
+        if len(configs) > 1:
+            raise ValueError(f"vLLM server {self.url} has {len(configs)} data-parallel engines; kvledger indexes "
+                             "one engine per server (start one server per engine)")
+        return VllmServerInfo(self.url, str(model["id"]), model.get("root"), model.get("max_model_len"),
+                              _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"),
+                              event_source(configs[0], self.host) if configs else None)
+
+    def _has_event_sources(self) -> bool:
+        try:
+            return self._http.get("/kv_event_sources").status_code == 200
+        except httpx.TransportError as e:
+            raise EngineUnreachableError(f"vLLM server {self.url}: GET /kv_event_sources: {e!r}") from e
+
+    def load(self) -> EngineLoad:
+        """Its queue and KV usage from ``/metrics`` (summed over its engines)."""
+        text = self._get("/metrics").text
+        values = {"vllm:num_requests_waiting": 0.0, "vllm:num_requests_running": 0.0,
+                  "vllm:kv_cache_usage_perc": 0.0}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in values:
+                    values[s.name] += s.value
+        return EngineLoad(int(values["vllm:num_requests_waiting"]), int(values["vllm:num_requests_running"]),
+                          values["vllm:kv_cache_usage_perc"])
+
+    def tokenize(self, model: str, text: str) -> list[int]:
+        """The server's own tokenization of ``text`` (``POST /tokenize``), special tokens as a completion adds."""
+        r = self._post("/tokenize", {"model": model, "prompt": text})
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    def complete(self, body: dict) -> tuple[int, dict]:
+        """``POST /v1/completions``: the status and the server's JSON answer."""
+        r = self._post("/v1/completions", body, self._completion_timeout)
+        return r.status_code, r.json()
+
+    def stream(self, body: dict) -> Iterator[dict | str]:
+        """``POST /v1/completions`` with ``stream``: each server-sent event's JSON, then ``"[DONE]"``.
+
+        ``EngineUnreachableError`` if the server cannot be reached before its first event.
+        """
+        try:
+            with self._http.stream("POST", "/v1/completions", json=body, timeout=self._completion_timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    yield {"error": r.json(), "status": r.status_code}
+                    return
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    yield data if data == "[DONE]" else json.loads(data)
+        except httpx.TransportError as e:
+            raise EngineUnreachableError(f"vLLM server {self.url}: streamed completion: {e!r}") from e
+
+    def reset_prefix_cache(self) -> None:
+        """Empty its prefix cache (vLLM serves this only with ``VLLM_SERVER_DEV_MODE=1``)."""
+        r = self._post("/reset_prefix_cache", {})
+        if r.status_code == 404:
+            raise RuntimeError(f"vLLM server {self.url} has no /reset_prefix_cache: start it with "
+                               "VLLM_SERVER_DEV_MODE=1, or restart it to empty its cache")
+        r.raise_for_status()
+
+
+def _labels(metrics_text: str, name: str) -> dict[str, str]:
+    """The labels of the first sample of info-style gauge ``name`` (empty when absent)."""
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == name:
+                return dict(s.labels)
+    return {}
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    value = labels.get(key)
+    return int(value) if value not in (None, "", "None") else None

@@ -1,0 +1,204 @@
+"""Real vLLM servers behind the router, beside kvledger's own ranks: discovery, one index of two block sizes,
+routing by prefix, proxied answers, predicted against delivered cached tokens, and an engine that dies.
+
+Two engines are started once for the module (block size 32 with a publisher that binds, 64 with one that
+connects, so the router binds); the router runs in this process over two in-process ranks of its own and the
+two servers. Every prompt starts with a token of its own test, so no test finds another's cached blocks.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from vllm_engines import START_TIMEOUT_S, VllmServer, encode_like_engine
+
+from kvledger.coordinator.local_cluster import LocalCluster
+from kvledger.router.config import RouterConfig
+from kvledger.router.http import HttpServer, make_app
+from kvledger.router.prompt_tokenizer import HfTokenizer
+from kvledger.router.service import OWN_MODEL, RouterService
+from kvledger.worker.ledger import CacheConfig
+
+pytestmark = pytest.mark.timeout(int(START_TIMEOUT_S) + 600)   # set-up starts both engines
+
+T = 16
+WAIT_S = 30.0
+"""How long an engine's events may take to reach the index (they arrive within milliseconds here)."""
+
+
+@pytest.fixture(scope="module")
+def router(vllm_servers: list[VllmServer]) -> Iterator[tuple[RouterService, httpx.Client]]:
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=64, num_secondary_blocks=0)
+    service = RouterService(LocalCluster.build(2, cfg),
+                            RouterConfig(tokens_per_block=T, vllm=tuple(e.url for e in vllm_servers), policy="kv"))
+    service.feed.sync()
+    server = HttpServer(make_app(service), port=0).start()
+    with httpx.Client(base_url=server.url, timeout=120.0) as client:
+        yield service, client
+    server.stop()
+    service.close()
+
+
+def prompt(first: int, n: int) -> list[int]:
+    """``n`` token ids of the tiny model starting with ``first`` (a test's own); 3..258 are its bytes."""
+    return [first, *(3 + (first * 31 + i * 7) % 256 for i in range(n - 1))]
+
+
+def complete(client: httpx.Client, tokens: list[int], model: str, **fields) -> dict:
+    r = client.post("/v1/completions", json={"prompt": tokens, "max_tokens": 2, "model": model, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_indexed(service: RouterService, rank: int, tokens: list[int], want: int) -> None:
+    """Until the index holds ``want`` tokens of ``tokens`` on ``rank`` (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while (got := service.probe(tokens)[rank].matched_tokens) < want:
+        assert time.monotonic() < deadline, f"rank {rank} indexed {got} of {want} tokens after {WAIT_S:g} s"
+        time.sleep(0.02)   # the events arrive on the subscriber's thread: nothing to wait on here
+
+
+def test_the_router_finds_each_servers_model_block_size_tokenizer_and_events(router, vllm_servers) -> None:
+    service, client = router
+    model = vllm_servers[0].model_name
+    assert service.models() == {OWN_MODEL: [0, 1], model: [1000, 1001]}
+    listed = client.get("/v1/models").json()["data"]
+    assert [(m["id"], m["owned_by"]) for m in listed] == [(OWN_MODEL, "kvledger"), (model, "vllm")]
+    for rank, engine in zip((1000, 1001), vllm_servers):
+        e = service.ranks.engine(rank)
+        assert (e.info.block_size, e.info.max_model_len) == (engine.block_size, 2048)
+        assert isinstance(e.tokenizer, HfTokenizer), "the model's files are readable here: its own tokenizer"
+        assert service.feed.index.block_size(rank) == engine.block_size
+    connected, bound = (service.feed._foreign[r].subscriber.bound for r in (1000, 1001))
+    assert not connected and bound, "engine 0's publisher binds (router connects); engine 1's connects to us"
+    text = "Tokenized the way the engine will."
+    r = httpx.post(f"{vllm_servers[0].url}/tokenize", json={"model": model, "prompt": text}, timeout=30)
+    assert service.encode(text, model) == (model, r.json()["tokens"]) == (model, encode_like_engine(text))
+    report = client.get("/v1/cluster").json()
+    assert [(f["rank"], f["endpoint"], f["live"], f["block_size"]) for f in report["foreign"]] == [
+        (1000, vllm_servers[0].url, True, 32), (1001, vllm_servers[1].url, True, 64)]
+
+
+def test_the_same_prefix_goes_to_the_same_engine_and_the_index_predicts_what_it_delivers(router) -> None:
+    service, client = router
+    model = service.ranks.engine(1000).info.model
+    first = prompt(5, 300)
+    a = complete(client, first, model)
+    rank = a["kvledger"]["rank"]
+    assert rank in (1000, 1001) and a["usage"]["prompt_tokens"] == 300 and a["object"] == "text_completion"
+    bs = service.feed.index.block_size(rank)
+    held = (300 - 1) // bs * bs   # the full blocks before the last token: what the engine can reuse
+    wait_indexed(service, rank, first, held)
+    second = first[:280] + prompt(6, 40)
+    b = complete(client, second, model)
+    kv = b["kvledger"]
+    expect = 279 // bs * bs
+    assert kv["rank"] == rank, "routed to the engine holding the shared prefix"
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == kv["cached_tokens"] == expect > 0
+    assert kv["predicted_cached_tokens"] == expect, "once its events have arrived the index is exact"
+    probe = client.post("/v1/probe", json={"prompt": second}).json()["ranks"]
+    assert {p["rank"]: p["matched_tokens"] for p in probe}[rank] == expect
+
+
+def test_two_block_sizes_in_one_index(router) -> None:
+    service, client = router
+    model = service.ranks.engine(1000).info.model
+    tokens = prompt(7, 200)
+    for rank in (1000, 1001):   # pin each engine's copy by sending it there directly
+        engine = service.ranks.engine(rank)
+        assert engine.complete({"prompt": tokens, "max_tokens": 1}).status == 200
+    wait_indexed(service, 1000, tokens, 192)   # 199 tokens before the last: 6 blocks of 32
+    wait_indexed(service, 1001, tokens, 192)   # ... and 3 of 64
+    assert {r: p.matched_tokens for r, p in service.probe(tokens[:100]).items() if r >= 1000} == {1000: 96,
+                                                                                                 1001: 64}
+    d = client.post("/v1/route", json={"prompt": tokens[:100], "model": model}).json()
+    assert d["rank"] == 1000, "the finer block size holds more of a 100-token prompt"
+
+
+def test_own_ranks_and_engines_share_the_router_the_event_stream_and_the_metrics(router) -> None:
+    service, client = router
+    model = service.ranks.engine(1000).info.model
+    own = complete(client, list(range(1, 70)), OWN_MODEL)
+    assert own["kvledger"]["rank"] in (0, 1) and own["model"] == OWN_MODEL
+    theirs = complete(client, prompt(8, 100), model)
+    assert theirs["kvledger"]["rank"] in (1000, 1001) and theirs["model"] == model
+    wait_indexed(service, theirs["kvledger"]["rank"], prompt(8, 100), 64)
+    with client.stream("GET", "/v1/events", params={"since": 0, "timeout": 2}) as r:
+        ranks = {json.loads(line)["rank"] for line in r.iter_lines() if line}
+    assert {0, 1} & ranks and theirs["kvledger"]["rank"] in ranks, "one stream: own ranks' and vLLM's events"
+    metrics = client.get("/metrics").text
+    for name in ("kvledger_predicted_cached_tokens_total", "kvledger_delivered_cached_tokens_total",
+                 "kvledger_cached_tokens_gap_bucket"):
+        assert name in metrics
+    assert f'kvledger_events_total{{rank="{theirs["kvledger"]["rank"]}"}}' in metrics
+    bad = client.post("/v1/completions", json={"prompt": [1, 999], "model": model, "max_tokens": 1})
+    assert bad.status_code == 400 and "error" in bad.json(), "the engine's own refusal, as it sent it"
+
+
+def test_a_streamed_completion_passes_through_chunk_by_chunk(router) -> None:
+    service, client = router
+    model = service.ranks.engine(1000).info.model
+    body = {"prompt": prompt(9, 80), "max_tokens": 5, "model": model, "stream": True, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    text = [c for c in chunks if c["choices"]]
+    assert len(text) >= 2, "the engine's chunks, one by one"
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert usage["kvledger"]["rank"] in (1000, 1001) and "predicted_cached_tokens" in usage["kvledger"]
+
+
+def test_an_engine_killed_under_load_loses_no_request_and_rejoins_after_restart(router, vllm_servers) -> None:
+    service, client = router
+    model = service.ranks.engine(1000).info.model
+    victim = vllm_servers[0]
+    results: list[int] = []
+    started = threading.Event()
+
+    def one(i: int) -> int:
+        started.set()
+        return client.post("/v1/completions", json={"prompt": prompt(20 + i, 120), "max_tokens": 8,
+                                                    "model": model}).status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        assert started.wait(30)
+        victim.kill()
+        results = [f.result(timeout=300) for f in futures]
+    assert results == [200] * 16, "every request was answered, by the engine that survived"
+    service.check_health()
+    assert 1000 not in service.ranks.live() and service.feed.index.num_blocks(1000) == 0
+    assert complete(client, prompt(40, 90), model)["kvledger"]["rank"] == 1001
+    victim.restart()
+    deadline = time.monotonic() + WAIT_S
+    while 1000 not in service.check_health() and 1000 not in service.ranks.live():
+        assert time.monotonic() < deadline, "the restarted engine did not rejoin"
+        time.sleep(0.5)   # health rounds are polled: nothing to wait on
+    tokens = prompt(41, 100)
+    assert service.ranks.engine(1000).complete({"prompt": tokens, "max_tokens": 1}).status == 200
+    wait_indexed(service, 1000, tokens, 96)
+
+
+def test_bench_replays_a_trace_through_the_servers_policy_by_policy(router, vllm_servers) -> None:
+    from kvledger.replay.config import BenchConfig, TinyOptions
+    from kvledger.replay.runner import run
+
+    result = run(BenchConfig(engine="vllm", vllm=tuple(e.url for e in vllm_servers), policy="kv,round_robin", limit=40,
+                             tiny=TinyOptions(max_input_tokens=600, max_output_tokens=2, concurrency=4)))
+    assert result.engine == "vllm" and result.sim.tokens_per_block == 32 and set(result.runs) == {"kv", "round_robin"}
+    for policy, e in result.extra["vllm"]["policies"].items():
+        assert e["failed"] == 0 and e["inconsistent"] == 0, (policy, e["errors"])
+        assert e["predicted_cached_tokens"] >= 0 and e["delivered_cached_tokens"] > 0, "the trace shares prefixes"
+        replayed = result.runs[policy]
+        assert len(replayed.prompt_tokens) == 40 and set(replayed.rank.tolist()) <= {0, 1}, "ranks counted from 0"

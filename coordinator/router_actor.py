@@ -37,6 +37,7 @@ from kvledger.router.config import RouterConfig
 from kvledger.router.feed import parse_vllm_endpoint
 from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
 from kvledger.router.service import RouterService
+from kvledger.router.tenants import ApiKeys, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,20 @@ class RouterActorConfig:
     """How often the router checks ranks, re-attaches publishers and refreshes loads."""
     vllm_events: tuple[str, ...] = ()
     """Real vLLM engines to index too: ``tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]`` each."""
+    api_keys: str | None = None
+    """A file of API keys, one ``KEY TENANT ROLE`` a line (role ``user`` or ``admin``): every request then needs a
+    key, tenants share no cached blocks, and events, cluster report and metrics need an admin key."""
+    allow_unauthenticated: bool = False
+    """Serve without keys on an address other than loopback (anyone who reaches it sees every tenant's events)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        if self.api_keys is not None:
+            ApiKeys.load(self.api_keys)   # a bad file fails here, naming its line
+        elif not is_loopback(self.host) and not self.allow_unauthenticated:
+            raise ValueError(f"host {self.host} is reachable from other machines and there are no api_keys: give "
+                             "--api-keys FILE, or --allow-unauthenticated to serve it open")
         if not self.push_interval_s > 0 or not self.health_interval_s > 0:
             raise ValueError("push_interval_s and health_interval_s must be > 0")
         for spec in self.vllm_events:
@@ -77,7 +88,8 @@ class RouterHost:
         self.service = RouterService(self.cluster if actors else None, config.router)
         self._self_handle = _own_handle()
         self._stop = threading.Event()
-        self.server = HttpServer(make_app(self.service), config.host, config.port).start()
+        keys = None if config.api_keys is None else ApiKeys.load(config.api_keys)
+        self.server = HttpServer(make_app(self.service, keys), config.host, config.port).start()
         # snapshot first, then attach: the first batch a rank pushes then follows its snapshot's number,
         # where a batch 0 arriving after the snapshot would read as a restart and cost a second one
         self.service.feed.sync()

@@ -147,10 +147,14 @@ def _route(p: argparse.ArgumentParser) -> Run:
     p.add_argument("--salt", default=None, help="cache salt: only prompts with the same salt share KV")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--model", default=None, help="a model of the router's /v1/models (default: the first)")
+    p.add_argument("--chat", action="store_true", help="send it as a user message to /v1/chat/completions")
+    p.add_argument("--stream", action="store_true", help="print the answer as it streams in")
+    p.add_argument("--api-key", default=None, help="the router's API key (default: $KVLEDGER_API_KEY)")
 
     def run(args: argparse.Namespace) -> int:
         from kvledger.launch.router_client import route
-        return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens, model=args.model)
+        return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens, model=args.model,
+                     chat=args.chat, stream=args.stream, api_key=args.api_key)
     return run
 
 

@@ -1,7 +1,8 @@
 """``kvledger route`` and ``kvledger monitor``: clients of the router's HTTP API.
 
 Both find the router at ``--url``, else at the URL the running cluster's state
-file records, else at http://127.0.0.1:8000. ``monitor`` shows a per-rank
+file records, else at http://127.0.0.1:8000, and send ``--api-key`` (else
+``$KVLEDGER_API_KEY``) when the router has keys. ``monitor`` shows a per-rank
 table (blocks per tier, hit rate, events/s) refreshed in place with rich, and
 the last events of the live stream under it; ``--json`` prints the stream's
 raw JSON lines instead.
@@ -9,6 +10,7 @@ raw JSON lines instead.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import deque
@@ -19,6 +21,13 @@ import httpx
 from kvledger.router.report import ClusterReport
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+API_KEY_ENV = "KVLEDGER_API_KEY"
+
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """``Authorization: Bearer`` with ``api_key``, else ``$KVLEDGER_API_KEY``; none when neither is set."""
+    key = api_key or os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def router_url(url: str | None = None) -> str:
@@ -42,29 +51,55 @@ def _explain(e: httpx.HTTPError, url: str) -> str:
 
 
 def route(prompt: str, url: str | None = None, salt: str | None = None, max_tokens: int = 16,
-          timeout_s: float = 300.0, model: str | None = None, out: Callable[[str], None] = print) -> int:
-    """Send one completion; print the rank chosen, predicted, cached and computed tokens and the output text."""
+          timeout_s: float = 300.0, model: str | None = None, chat: bool = False, stream: bool = False,
+          api_key: str | None = None, out: Callable[[str], None] = print) -> int:
+    """Send one completion (``chat``: as a user message); print the rank chosen, predicted, cached and computed
+    tokens and the output text (``stream``: as it arrives)."""
     url = router_url(url)
-    body: dict = {"prompt": prompt, "max_tokens": max_tokens}
-    if salt is not None:
-        body["cache_salt"] = salt
-    if model is not None:
-        body["model"] = model
+    body: dict = {"max_tokens": max_tokens}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    for k, v in (("cache_salt", salt), ("model", model)):
+        if v is not None:
+            body[k] = v
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+        with httpx.stream("POST", f"{url}{path}", json=body, headers=auth_headers(api_key), timeout=timeout_s) as r:
+            if r.status_code != 200:
+                out(f"kvledger route: the router answered {r.status_code}: {r.read().decode()}")
+                return 1
+            res = _streamed(r, out) if stream else json.loads(r.read())
     except httpx.HTTPError as e:
         out(f"kvledger route: {_explain(e, url)}")
         return 1
-    if r.status_code != 200:
-        out(f"kvledger route: the router answered {r.status_code}: {r.text}")
-        return 1
-    res = r.json()
     kv = res["kvledger"]
     out(f"rank {kv['rank']}  model {res['model']}  predicted cached {kv['predicted_cached_tokens']}  "
-        f"cached {kv['cached_tokens']}  computed {kv['computed_tokens']}  "
-        f"onboarded {kv['onboarded_blocks']} blocks  migrated {kv['migrated_blocks']} blocks")
-    out(f"output: {res['choices'][0]['text']!r}")
+        f"cached {kv['cached_tokens']}  computed {kv.get('computed_tokens', '-')}  "
+        f"onboarded {kv.get('onboarded_blocks', '-')} blocks  migrated {kv.get('migrated_blocks', '-')} blocks")
+    if not stream:
+        choice = res["choices"][0]
+        out(f"output: {choice['message']['content'] if chat else choice['text']!r}")
     return 0
+
+
+def _streamed(r: httpx.Response, out: Callable[[str], None]) -> dict:
+    """Print a streamed answer's text as it arrives; return its last (usage) chunk."""
+    last: dict = {}
+    parts: list[str] = []
+    for line in r.iter_lines():
+        data = line.removeprefix("data: ").strip()
+        if not line.startswith("data: ") or data == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        for c in chunk.get("choices") or ():
+            piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+            if piece:
+                parts.append(piece)
+                out(f"chunk: {piece!r}")
+        last = chunk
+    out(f"output: {''.join(parts)!r}")
+    return last
 
 
 def _stream(url: str, rank: int | None, since: int, stop: threading.Event,
@@ -74,7 +109,8 @@ def _stream(url: str, rank: int | None, since: int, stop: threading.Event,
         params["rank"] = rank
     if timeout_s is not None:
         params["timeout"] = timeout_s
-    with httpx.stream("GET", f"{url}/v1/events", params=params, timeout=httpx.Timeout(10.0, read=None)) as resp:
+    with httpx.stream("GET", f"{url}/v1/events", params=params, headers=auth_headers(),
+                      timeout=httpx.Timeout(10.0, read=None)) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if stop.is_set():
@@ -85,7 +121,7 @@ def _stream(url: str, rank: int | None, since: int, stop: threading.Event,
 
 def _report(url: str) -> ClusterReport:
     """The router's cluster summary, read back into its dataclasses."""
-    r = httpx.get(f"{url}/v1/cluster", timeout=10.0)
+    r = httpx.get(f"{url}/v1/cluster", headers=auth_headers(), timeout=10.0)
     r.raise_for_status()
     return ClusterReport.from_dict(r.json())
 

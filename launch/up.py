@@ -344,8 +344,10 @@ def _router_view(url: str | None) -> dict | None:
     if url is None:
         return None
     import httpx
+
+    from kvledger.launch.router_client import auth_headers
     try:
-        r = httpx.get(f"{url}/v1/cluster", timeout=10.0)
+        r = httpx.get(f"{url}/v1/cluster", headers=auth_headers(), timeout=10.0)
         r.raise_for_status()
         return r.json()
     except httpx.HTTPError as e:

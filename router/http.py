@@ -1,17 +1,28 @@
-"""The router's HTTP API (FastAPI): OpenAI-style completions, routing and probing, the event stream, metrics.
+"""The router's HTTP API (FastAPI): OpenAI's completions and chat completions, routing and probing, the event
+stream, metrics.
 
-``make_app(service)`` builds the app over a ``RouterService``; ``HttpServer``
+``make_app(service, keys)`` builds the app over a ``RouterService``; ``HttpServer``
 runs it with uvicorn in a background thread (the router actor, the tests), on
-127.0.0.1 unless told otherwise. Request bodies are pydantic models, so a bad
-request gets a 4xx naming the field and reaches nothing; errors the service
-raises for bad input (``ValueError``) become 400, an unknown model 404, no live
-rank 503, and a vLLM server's own refusal goes back with its status and body.
+127.0.0.1 unless told otherwise. Request bodies are pydantic models
+(``router.openai_types``): a field of the wrong type or out of range is a 400
+naming it, unknown fields are ignored as vLLM ignores them. Every error has
+OpenAI's shape and status: 400 bad input (a prompt no rank could ever hold
+included, with the numbers), 401 no or a wrong key, 403 a user key on an admin
+endpoint, 404 an unknown model, 429 no room now (with ``Retry-After``), 503 no
+live rank; a vLLM server's own refusal goes back with its status and body. No
+input gets a 5xx.
+
+With keys (``router.tenants``) every request is its tenant's: its cache salt
+is derived from the tenant, so probes, routes and cached tokens never show
+another tenant's prompts, and the event stream, the cluster report and the
+metrics, which show every tenant's, want an admin key.
 
 A completion a vLLM server serves comes back as the server's own answer (its
 text, usage and ids), streamed event by event when asked, plus the
 ``kvledger`` block: the rank, the cached tokens the router predicted and the
-ones the engine delivered. Metrics live in a registry of the app's own, filled at scrape time from
-the service's counters (the service itself does not know Prometheus).
+ones the engine delivered. Metrics live in a registry of the app's own, filled
+at scrape time from the service's counters (the service itself does not know
+Prometheus).
 """
 from __future__ import annotations
 
@@ -25,95 +36,62 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 import uvicorn
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvledger.router.openai_types import (ChatBody, CompletionBody, ProbeBody, RouteBody, completion_answer, sse, usage,
+                                          whole_as_stream)
 from kvledger.router.policies import NoLiveRankError
-from kvledger.router.service import OWN_MODEL, CompletionResult, EngineRefusedError, RouterService, UnknownModelError
+from kvledger.router.service import (OWN_MODEL, CompletionResult, EngineRefusedError, OverloadedError, RouterService,
+                                     UnknownModelError)
+from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
 from kvledger.worker.engine.tokenizer import decode
-from kvledger.worker.wire.errors import OutOfBlocksError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
-Prompt = Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+#: OpenAI's error ``type`` per status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
 
 
-class StreamOptions(_Body):
-    include_usage: bool = False
+class ErrorBody(BaseModel):
+    """What every error answers (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
-class CompletionBody(_Body):
-    """``POST /v1/completions``: the OpenAI completions fields kvledger serves, plus its own three."""
-
-    prompt: Prompt
-    """Text (tokenized the way the model's engines tokenize, ``router.prompt_tokenizer``) or token ids."""
-    max_tokens: Annotated[StrictInt, Field(ge=0, le=4096)] = 16
-    model: str | None = None
-    """A model of ``GET /v1/models`` (none: the first listed)."""
-    stream: StrictBool = False
-    """Server-sent events, as OpenAI streams them."""
-    stream_options: StreamOptions | None = None
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
-    priority: Annotated[StrictInt, Field(ge=0, le=100)] | None = None
-    """Retention priority of the prompt's and the output's blocks (``RetentionConfig``)."""
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: StrictBool | None = None
-    """vLLM's extension: generate ``max_tokens`` even past the end-of-sequence token (the reference engine
-    always does)."""
-
-    def sampling(self) -> dict:
-        """The sampling parameters given, as a vLLM server is sent them."""
-        return {k: v for k in SAMPLING if (v := getattr(self, k)) is not None}
-
-    def check_greedy(self) -> None:
-        """The reference engine decodes greedily: a sampling parameter it cannot honour is refused, by name."""
-        for name, value in self.sampling().items():
-            if not (name == "temperature" and value == 0 or name == "ignore_eos"):
-                raise ValueError(f"{name}={value!r}: the {OWN_MODEL} ranks decode greedily; they honour only "
-                                 "temperature 0 (vLLM servers take every sampling parameter)")
+#: Every endpoint may answer these (the OpenAPI document lists them; FastAPI's own 422 is never sent).
+ERROR_RESPONSES: dict[int | str, dict] = {status: {"model": ErrorBody, "description": kind}
+                                          for status, kind in ERROR_TYPES.items()}
 
 
-#: The sampling parameters a vLLM server gets as the client sent them.
-SAMPLING = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+#: A completion answers JSON, or server-sent events with ``"stream": true``.
+GENERATED: dict[int | str, dict] = {200: {"content": {"application/json": {}, "text/event-stream": {}},
+                                          "description": "the answer, or its chunks as server-sent events"}}
 
 
-class RouteBody(_Body):
-    """``POST /v1/route``: where the prompt would go, without sending it."""
-
-    prompt: Prompt
-    model: str | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=0, le=4096)] = 16
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
-
-
-class ProbeBody(_Body):
-    """``POST /v1/probe``: how much of the prompt each rank holds; ``exact`` asks the ranks' ledgers."""
-
-    prompt: Prompt
-    model: str | None = None
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
-    exact: bool = False
-
-
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 class _ServiceCollector:
@@ -191,64 +169,149 @@ class _ServiceCollector:
                                              for le, n in g.cumulative()], sum_value=g.sum)
 
 
-def make_app(service: RouterService) -> FastAPI:
-    """The router's HTTP API over ``service`` (see DESIGN.md, "HTTP")."""
-    app = FastAPI(title="kvledger router", version="0.1.0")
+def _caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Caller:
+    """Who sends the request: the key's tenant and role, or everyone (``OPEN``) on a router without keys."""
+    keys: ApiKeys | None = request.app.state.keys
+    if keys is None:
+        return OPEN
+    scheme, _, key = (authorization or "").partition(" ")
+    return keys.caller(key.strip() if scheme.lower() == "bearer" else None)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document without the 422 it adds to every operation: validation errors answer 400 here."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in doc["paths"].values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def _param(loc: tuple) -> str | None:
+    """The field a validation error is about, as OpenAI names it (``messages[0].role``): pydantic's location
+    without its section (``body``, ``query``) and the names it gives the members of a union."""
+    out = ""
+    for part in loc[1:]:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _admin(who: Annotated[Caller, Depends(_caller)]) -> Caller:
+    who.require("admin")
+    return who
+
+
+User = Annotated[Caller, Depends(_caller)]
+Admin = Annotated[Caller, Depends(_admin)]
+
+
+def make_app(service: RouterService, keys: ApiKeys | None = None) -> FastAPI:
+    """The router's HTTP API over ``service`` (see DESIGN.md, "HTTP"); with ``keys``, every endpoint but
+    ``/health`` wants a key, and the admin endpoints an admin's (``router.tenants``)."""
+    app = FastAPI(title="kvledger router", version="0.1.0", responses=ERROR_RESPONSES)
+    app.openapi = lambda: _openapi(app)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ServiceCollector(service))
     app.state.service = service
     app.state.registry = registry
+    app.state.keys = keys
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # the most specific error: for a union (text or token ids) the member the input was meant to be
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+        param = _param(first.get("loc", ()))
+        return error_response(400, f"{param or 'body'}: {first.get('msg')}", param, first.get("type"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error")
+        return error_response(400, str(exc), getattr(exc, "param", None))
 
-    @app.exception_handler(NoLiveRankError)
-    async def _no_rank(_: Request, exc: NoLiveRankError) -> JSONResponse:
-        return _error(503, str(exc), "no_live_rank")
+    @app.exception_handler(AuthError)
+    async def _no_key(_: Request, exc: AuthError) -> JSONResponse:
+        return error_response(401, str(exc), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.exception_handler(OutOfBlocksError)
-    async def _no_blocks(_: Request, exc: OutOfBlocksError) -> JSONResponse:
-        return _error(503, str(exc), "out_of_blocks")
+    @app.exception_handler(ForbiddenError)
+    async def _forbidden(_: Request, exc: ForbiddenError) -> JSONResponse:
+        return error_response(403, str(exc), code="insufficient_role")
 
     @app.exception_handler(UnknownModelError)
     async def _no_model(_: Request, exc: UnknownModelError) -> JSONResponse:
-        return _error(404, str(exc.args[0]), "model_not_found")
+        return error_response(404, str(exc.args[0]), "model", "model_not_found")
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
+        return error_response(429, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(NoLiveRankError)
+    async def _no_rank(_: Request, exc: NoLiveRankError) -> JSONResponse:
+        return error_response(503, str(exc), code="no_live_rank", headers={"Retry-After": "5"})
 
     @app.exception_handler(EngineRefusedError)
     async def _refused(_: Request, exc: EngineRefusedError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
 
     @app.get("/v1/models")
-    def models() -> dict:
+    def models(_: User) -> dict:
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": m, "object": "model", "created": created, "owned_by": "kvledger" if m == OWN_MODEL else "vllm",
              "kvledger": {"ranks": ranks}} for m, ranks in service.models().items()]}
 
-    @app.post("/v1/completions")
-    def completions(body: CompletionBody) -> Response:
-        model, tokens = service.encode(body.prompt, body.model)
+    def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int],
+                 chat: bool) -> Response:
         if model == OWN_MODEL:
-            body.check_greedy()
-        args = dict(max_tokens=body.max_tokens, cache_salt=body.cache_salt, lora_id=body.lora_id, model=model,
-                    engine_fields=body.sampling())
-        usage = body.stream_options is not None and body.stream_options.include_usage
+            body.check_greedy(model)
+        fields = body.sampling()
+        if model != OWN_MODEL:
+            fields["n"] = body.n
+        if chat:
+            fields["messages"] = body.message_dicts()
+        args = dict(max_tokens=body.max_new, cache_salt=who.salt(body.cache_salt), lora_id=body.lora_id,
+                    model=model, engine_fields=fields, chat=chat)
         if body.stream and model != OWN_MODEL:
-            events = service.stream(tokens, **args)
-            return StreamingResponse(_relay(events, usage), media_type="text/event-stream")
-        res = service.complete(tokens, priority=body.priority, **args)
-        answer = res.engine_answer if res.engine_answer is not None else _own_answer(res)
-        answer = {**answer, "kvledger": _kvledger_block(res)}
-        if body.stream:   # own ranks answer whole: one chunk, then usage when asked
-            return StreamingResponse(_own_stream(answer, usage), media_type="text/event-stream")
+            return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
+                                     media_type="text/event-stream")
+        results = [service.complete(tokens, priority=body.priority, **args)
+                   for _ in range(body.n if model == OWN_MODEL else 1)]
+        first = results[0]
+        if first.engine_answer is not None:
+            answer = first.engine_answer
+        else:
+            answer = completion_answer(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", model,
+                                       [decode(r.output_tokens) for r in results],
+                                       usage(first.prompt_tokens, sum(len(r.output_tokens) for r in results),
+                                             first.cached_tokens), chat)
+        answer = {**answer, "kvledger": _kvledger_block(first)}
+        if body.stream:   # own ranks answer whole: a chunk per choice, then the usage when asked
+            return StreamingResponse(whole_as_stream(answer, body.include_usage, chat),
+                                     media_type="text/event-stream")
         return JSONResponse(answer)
 
-    @app.post("/v1/route")
-    def route(body: RouteBody) -> dict:
+    @app.post("/v1/completions", responses=GENERATED)
+    def completions(body: CompletionBody, who: User) -> Response:
         model, tokens = service.encode(body.prompt, body.model)
-        d = service.route(tokens, max_tokens=body.max_tokens, cache_salt=body.cache_salt, lora_id=body.lora_id,
-                          model=model)
+        return generate(body, who, model, tokens, chat=False)
+
+    @app.post("/v1/chat/completions", responses=GENERATED)
+    def chat_completions(body: ChatBody, who: User) -> Response:
+        model, tokens = service.encode_chat(body.message_dicts(), body.model)
+        return generate(body, who, model, tokens, chat=True)
+
+    @app.post("/v1/route")
+    def route(body: RouteBody, who: User) -> dict:
+        model, tokens = service.encode(body.prompt, body.model)
+        d = service.route(tokens, max_tokens=body.max_tokens, cache_salt=who.salt(body.cache_salt),
+                          lora_id=body.lora_id, model=model)
         ranks = sorted(set(d.scores) | set(d.matched_tokens))
         return {"rank": d.rank, "policy": d.policy, "lower_is_better": d.lower_is_better,
                 "migrate_from": d.migrate_from, "migrate_blocks": d.migrate_blocks,
@@ -256,9 +319,9 @@ def make_app(service: RouterService) -> FastAPI:
                           for r in ranks]}
 
     @app.post("/v1/probe")
-    def probe(body: ProbeBody) -> dict:
+    def probe(body: ProbeBody, who: User) -> dict:
         _, tokens = service.encode(body.prompt, body.model)
-        got = service.probe(tokens, lora_id=body.lora_id, cache_salt=body.cache_salt, exact=body.exact)
+        got = service.probe(tokens, lora_id=body.lora_id, cache_salt=who.salt(body.cache_salt), exact=body.exact)
         foreign = service.feed.foreign_engines()
         ranks = []
         for r, m in sorted(got.items()):
@@ -269,18 +332,20 @@ def make_app(service: RouterService) -> FastAPI:
             ranks.append(entry)
         return {"exact": body.exact, "prompt_tokens": len(tokens), "ranks": ranks}
 
-    @app.get("/v1/events")
-    async def events(request: Request, since: Annotated[int, Query(ge=0)] = 0,
+    @app.get("/v1/events", response_class=StreamingResponse,
+             responses={200: {"content": {"application/x-ndjson": {}}, "description": "one JSON event a line"}})
+    async def events(request: Request, _: Admin, since: Annotated[int, Query(ge=0)] = 0,
                      rank: Annotated[int | None, Query(ge=0)] = None,
                      limit: Annotated[int | None, Query(ge=1)] = None,
                      timeout: Annotated[float | None, Query(gt=0, le=86_400)] = None) -> StreamingResponse:
         """Newline-delimited JSON events from ``since``, following live; ends after ``limit`` events or
-        ``timeout`` seconds when given, else when the client goes away."""
+        ``timeout`` seconds when given, else when the client goes away. Admins only: events carry every
+        tenant's token ids."""
         return StreamingResponse(_follow(service, request, since, rank, limit, timeout),
                                  media_type="application/x-ndjson")
 
     @app.get("/v1/cluster")
-    def cluster() -> dict:
+    def cluster(_: Admin) -> dict:
         return service.report(refresh=True).to_dict()
 
     @app.get("/health")
@@ -289,24 +354,12 @@ def make_app(service: RouterService) -> FastAPI:
         return JSONResponse({"status": "ok" if live else "no_live_rank", "live_ranks": live},
                             status_code=200 if live else 503)
 
-    @app.get("/metrics")
-    def metrics() -> Response:
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"}})
+    def metrics(_: Admin) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _own_answer(res: CompletionResult) -> dict:
-    return {
-        "id": f"cmpl-{res.request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": res.model,
-        "choices": [{"index": 0, "text": decode(res.output_tokens), "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.output_tokens),
-                  "total_tokens": res.prompt_tokens + len(res.output_tokens),
-                  "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
-    }
 
 
 def _kvledger_block(res: CompletionResult) -> dict:
@@ -316,18 +369,6 @@ def _kvledger_block(res: CompletionResult) -> dict:
             "retries": res.retries, "output_token_ids": res.output_tokens, "policy": res.decision.policy}
 
 
-def _sse(data: dict | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def _own_stream(answer: dict, usage: bool) -> Iterator[bytes]:
-    yield _sse({k: v for k, v in answer.items() if k != "usage"})
-    if usage:
-        yield _sse({"id": answer["id"], "object": "text_completion", "created": answer["created"],
-                    "model": answer["model"], "choices": [], "usage": answer["usage"], "kvledger": answer["kvledger"]})
-    yield _sse("[DONE]")
-
-
 def _relay(events: Iterator[tuple[int, int, dict | str]], usage: bool) -> Iterator[bytes]:
     """A vLLM server's events as they come; its usage event (the router always asks for it) only when the client
     did, carrying the ``kvledger`` block."""
@@ -335,10 +376,10 @@ def _relay(events: Iterator[tuple[int, int, dict | str]], usage: bool) -> Iterat
         if isinstance(ev, dict) and ev.get("usage") and not ev.get("choices"):
             if usage:
                 cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                yield _sse({**ev, "kvledger": {"rank": rank, "predicted_cached_tokens": predicted,
+                yield sse({**ev, "kvledger": {"rank": rank, "predicted_cached_tokens": predicted,
                                                "cached_tokens": cached}})
             continue
-        yield _sse(ev)
+        yield sse(ev)
 
 
 async def _follow(service: RouterService, request: Request, since: int, rank: int | None, limit: int | None,

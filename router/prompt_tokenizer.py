@@ -21,7 +21,9 @@ class PromptTokenizer(Protocol):
     name: str
     """What tokenizes (for status and errors)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False`` for a text a chat template rendered (it has its own)."""
+        ...
 
 
 class ByteTokenizer:
@@ -29,8 +31,8 @@ class ByteTokenizer:
 
     name = "bytes"
 
-    def encode(self, text: str) -> list[int]:
-        return encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return encode(text)   # it has no special tokens
 
 
 class HfTokenizer:
@@ -51,8 +53,8 @@ class HfTokenizer:
         """Token ids, special ones included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 class ServerTokenizer:
@@ -62,8 +64,8 @@ class ServerTokenizer:
         self._server, self._model = server, model
         self.name = f"{server.url}/tokenize"
 
-    def encode(self, text: str) -> list[int]:
-        return self._server.tokenize(self._model, text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._server.tokenize(self._model, text, add_special_tokens)
 
 
 def engine_tokenizer(server, model: str, model_root: str | None, path: str | None = None) -> PromptTokenizer:

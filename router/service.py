@@ -30,10 +30,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvledger.router.chat import render_plain
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import EventFeed
 from kvledger.router.index import PrefixIndex
 from kvledger.router.load import LoadAccount, ReportedQueue
+from kvledger.router.openai_types import ParamError
 from kvledger.router.policies import NoLiveRankError, RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch
 from kvledger.router.prompt_tokenizer import ByteTokenizer, PromptTokenizer
@@ -42,8 +44,9 @@ from kvledger.router.report import ClusterReport, ForeignReport, RankReport, Rou
 from kvledger.router.routing import RouteStep
 from kvledger.router.stats import GAP_BUCKETS_TOKENS, Histogram
 from kvledger.router.vllm_ranks import EngineCompletion, JoinedRanks, VllmEngine
-from kvledger.router.vllm_server import EngineUnreachableError
+from kvledger.router.vllm_server import CHAT_COMPLETIONS, COMPLETIONS, EngineUnreachableError
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
+from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.messages import RankLoad
 from kvledger.worker.wire.request import Request, RetentionConfig, TokenRange
 
@@ -55,6 +58,12 @@ OWN_MODEL = "kvledger-reference"
 
 class UnknownModelError(LookupError):
     """A request named a model no rank serves."""
+
+
+class OverloadedError(RuntimeError):
+    """No room for the request now (HTTP 429 with ``Retry-After``); it was not served and may be sent again."""
+
+    retry_after_s = 1
 
 
 class EngineRefusedError(ValueError):
@@ -238,6 +247,36 @@ class RouterService:
         name = self.resolve_model(model)
         return name, self.tokenizer(name).encode(prompt) if isinstance(prompt, str) else list(prompt)
 
+    def encode_chat(self, messages: Sequence[dict], model: str | None = None) -> tuple[str, list[int]]:
+        """The model a chat goes to and the tokens its engines will compute for it (``router.chat``)."""
+        name = self.resolve_model(model)
+        if name == OWN_MODEL and self.ranks.own is not None:
+            return name, self._own_tokenizer.encode(render_plain(messages))
+        engine = next(e for e in self.ranks.engines().values() if e.info.model == name)
+        if engine.chat_template is None:
+            raise ParamError("messages", f"model {name!r} has no chat template (none in its tokenizer_config.json "
+                                         f"at {engine.info.model_root}); use /v1/completions")
+        return name, engine.tokenizer.encode(engine.chat_template.render(messages), add_special_tokens=False)
+
+    def check_fits(self, model: str, prompt_len: int, max_tokens: int) -> None:
+        """A prompt no rank of ``model`` could ever hold is bad input (``ParamError`` with the numbers), not a
+        request to queue: longer than a vLLM server's maximum length, or than the largest own rank's pool."""
+        need = prompt_len + max_tokens
+        if model != OWN_MODEL:
+            limits = [e.info.max_model_len for e in self.ranks.engines().values()
+                      if e.info.model == model and e.info.max_model_len]
+            if limits and need > max(limits):
+                raise ParamError("prompt", f"this model's maximum context length is {max(limits)} tokens; the "
+                                           f"request needs {need} ({prompt_len} in the prompt, {max_tokens} to "
+                                           "generate)")
+            return
+        tpb = self.config.tokens_per_block
+        pools = self._own_pools()
+        blocks = -(-need // tpb)
+        if pools and blocks > max(pools):
+            raise ParamError("prompt", f"{prompt_len} prompt tokens and max_tokens {max_tokens} need {blocks} blocks "
+                                       f"of {tpb} tokens; the largest rank's pool holds {max(pools)}")
+
     def _serving(self, model: str) -> set[int]:
         own = self.ranks.own
         if model == OWN_MODEL and own is not None:
@@ -318,13 +357,14 @@ class RouterService:
 
     def complete(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                  lora_id: int | None = None, priority: int | None = None, model: str | None = None,
-                 engine_fields: dict | None = None) -> CompletionResult:
+                 engine_fields: dict | None = None, chat: bool = False) -> CompletionResult:
         """Route, migrate a prefix if the decision says so, serve; retry elsewhere if the rank dies.
 
-        ``engine_fields``: more of the client's body for a vLLM server that serves it (sampling parameters).
+        ``engine_fields``: more of the client's body for a vLLM server that serves it (sampling parameters;
+        with ``chat``, its ``messages``, which go to the server's chat completions).
         Bad input raises ``ValueError``/``TypeError`` before anything is sent; ``UnknownModelError`` for a
         model nobody serves; ``NoLiveRankError`` when no rank is left to serve it; ``EngineRefusedError``
-        when a vLLM server refuses it.
+        when a vLLM server refuses it; ``OverloadedError`` when the rank has no room for it now.
         """
         name, req = self._request(prompt_tokens, max_tokens, cache_salt, lora_id, model)
         request = Request(next(self._request_ids), list(req.tokens), max_tokens, lora_id, cache_salt,
@@ -343,12 +383,15 @@ class RouterService:
             engine = self.ranks.engine(rank)
             try:
                 if engine is not None:
-                    got = engine.complete(self._engine_body(req, engine_fields))
+                    got = engine.complete(self._engine_body(req, engine_fields, chat),
+                                          CHAT_COMPLETIONS if chat else COMPLETIONS)
                 else:
                     reply = self.ranks.client(rank).serve([request], publish=True)
             except RankDiedError as e:
                 self._died(e, died)
                 continue
+            except OutOfBlocksError as e:   # it fits the pool (check_fits) but not now: come back later
+                raise OverloadedError(f"rank {rank} has no room for the request now ({e}); retry shortly") from e
             finally:
                 with self._lock:
                     self.account.finished(dispatch)
@@ -368,8 +411,8 @@ class RouterService:
                                     name, answer)
 
     def stream(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
-               lora_id: int | None = None, model: str | None = None,
-               engine_fields: dict | None = None) -> Iterator[tuple[int, int, dict | str]]:
+               lora_id: int | None = None, model: str | None = None, engine_fields: dict | None = None,
+               chat: bool = False) -> Iterator[tuple[int, int, dict | str]]:
         """A vLLM server's streamed completion, event by event: ``(rank, predicted, event)``, ``"[DONE]"`` last.
 
         The router asks the server for a usage event (to count what it delivered); a server that dies before
@@ -377,6 +420,7 @@ class RouterService:
         Own ranks answer whole (``complete``); the caller streams their answer as one event.
         """
         name, req = self._request(prompt_tokens, max_tokens, cache_salt, lora_id, model)
+        path = CHAT_COMPLETIONS if chat else COMPLETIONS
         died: set[int] = set()
         while True:
             decision, _ = self._place(req, name, died, migrate=False)
@@ -388,9 +432,9 @@ class RouterService:
                 raise ValueError(f"rank {rank} is not a vLLM server; stream its answer with complete()")
             predicted = min(decision.matched_tokens.get(rank, 0), len(req.tokens) - 1)
             dispatch = self._dispatch(req, rank, predicted)
-            body = {**self._engine_body(req, engine_fields), "stream": True,
+            body = {**self._engine_body(req, engine_fields, chat), "stream": True,
                     "stream_options": {"include_usage": True}}
-            events = engine.stream(body)
+            events = engine.stream(body, path)
             try:
                 first = next(events)
             except EngineUnreachableError as e:
@@ -425,7 +469,8 @@ class RouterService:
         req = RouteRequest.of(prompt_tokens, self.config.tokens_per_block, max_tokens=max_tokens,
                               cache_salt=cache_salt, lora_id=lora_id)
         if name == OWN_MODEL and max(req.tokens) >= VOCAB_SIZE:
-            raise ValueError(f"token {max(req.tokens)} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
+            raise ParamError("prompt", f"token {max(req.tokens)} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
+        self.check_fits(name, len(req.tokens), max_tokens)
         return name, req
 
     def _place(self, req: RouteRequest, model: str, died: set[int],
@@ -469,9 +514,12 @@ class RouterService:
             self.stats.retries += 1
 
     @staticmethod
-    def _engine_body(req: RouteRequest, engine_fields: dict | None) -> dict:
-        """What a vLLM server is sent: the client's fields, the prompt as the token ids the router hashed."""
-        body = {**(engine_fields or {}), "prompt": list(req.tokens), "max_tokens": req.max_tokens}
+    def _engine_body(req: RouteRequest, engine_fields: dict | None, chat: bool) -> dict:
+        """What a vLLM server is sent: the client's fields, and the prompt as the token ids the router hashed
+        (a chat keeps its messages: the server renders them as the router did)."""
+        body = {**(engine_fields or {}), "max_tokens": req.max_tokens}
+        if not chat:
+            body["prompt"] = list(req.tokens)
         if req.cache_salt is not None:
             body["cache_salt"] = req.cache_salt
         return body
@@ -500,6 +548,24 @@ class RouterService:
         return c
 
     # ------------------------------------------------------------------ reports
+
+    def _own_pools(self) -> list[int]:
+        """Device blocks of each live own rank: from its last load report, asked for once when there is none."""
+        own = self.ranks.own
+        live = own.live() if own is not None else []
+        with self._lock:
+            missing = [r for r in live if r not in self._loads]
+        for r in missing:
+            try:
+                load = own.client(r).load()
+            except RankDiedError as e:
+                self._lost(e)
+                continue
+            if load.ready:
+                with self._lock:
+                    self._loads.setdefault(r, load)
+        with self._lock:
+            return [self._loads[r].device_blocks for r in live if r in self._loads]
 
     def refresh_loads(self, force: bool = False) -> None:
         """Ask every live rank for its load report (at most every ``load_refresh_s``): one call per rank."""
@@ -587,5 +653,5 @@ def _copy_hist(h: Histogram) -> Histogram:
     return out
 
 
-__all__ = ["CompletionResult", "EngineRefusedError", "OWN_MODEL", "RankProbe", "RouterService", "ServiceStats",
-           "UnknownModelError", "retention_for"]
+__all__ = ["CompletionResult", "EngineRefusedError", "OWN_MODEL", "OverloadedError", "RankProbe", "RouterService",
+           "ServiceStats", "UnknownModelError", "retention_for"]

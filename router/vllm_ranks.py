@@ -19,10 +19,11 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvledger.router.chat import ChatTemplate
 from kvledger.router.liveness import Liveness
 from kvledger.router.prompt_tokenizer import PromptTokenizer, engine_tokenizer
 from kvledger.router.rank_client import RankClient, RankDiedError, RankSet
-from kvledger.router.vllm_server import EngineUnreachableError, VllmServer, VllmServerInfo
+from kvledger.router.vllm_server import COMPLETIONS, EngineUnreachableError, VllmServer, VllmServerInfo
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot
 from kvledger.worker.wire.messages import ExportTicket, ImportTicket, RankLoad, ServeOutcome, ServeReply
 from kvledger.worker.wire.request import Request
@@ -53,6 +54,8 @@ class VllmEngine:
         self.server = server
         self.info = info
         self.tokenizer = tokenizer
+        self.chat_template = ChatTemplate.of_model(info.model_root)
+        """The model's chat template when its files are readable here (``None``: it takes no chat)."""
 
     @classmethod
     def connect(cls, rank: int, url: str, tokenizer_path: str | None = None, timeout_s: float = 10.0) -> VllmEngine:
@@ -72,17 +75,17 @@ class VllmEngine:
     def _died(self, e: EngineUnreachableError) -> RankDiedError:
         return RankDiedError(self._rank, str(e))
 
-    def complete(self, body: dict) -> EngineCompletion:
-        """The server's answer to ``POST /v1/completions`` with ``body`` (its model filled in)."""
+    def complete(self, body: dict, path: str = COMPLETIONS) -> EngineCompletion:
+        """The server's answer to ``POST path`` with ``body`` (its model filled in)."""
         try:
-            status, answer = self.server.complete({**body, "model": self.info.model})
+            status, answer = self.server.complete({**body, "model": self.info.model}, path)
         except EngineUnreachableError as e:
             raise self._died(e) from e
         return EngineCompletion(status, answer)
 
-    def stream(self, body: dict):
+    def stream(self, body: dict, path: str = COMPLETIONS):
         """The server's streamed events for ``body`` (``VllmServer.stream``), its model filled in."""
-        return self.server.stream({**body, "model": self.info.model})
+        return self.server.stream({**body, "model": self.info.model}, path)
 
     def serve(self, requests: Sequence[Request], logits: bool = False, publish: bool = False) -> ServeReply:
         """Each request greedily through the completions API, token ids in and out; events come over ZMQ."""

@@ -28,6 +28,9 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
 
 class EngineUnreachableError(RuntimeError):
     """The server did not answer (refused, reset, timed out)."""
@@ -158,24 +161,25 @@ class VllmServer:
         return EngineLoad(int(values["vllm:num_requests_waiting"]), int(values["vllm:num_requests_running"]),
                           values["vllm:kv_cache_usage_perc"])
 
-    def tokenize(self, model: str, text: str) -> list[int]:
-        """The server's own tokenization of ``text`` (``POST /tokenize``), special tokens as a completion adds."""
-        r = self._post("/tokenize", {"model": model, "prompt": text})
+    def tokenize(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The server's own tokenization of ``text`` (``POST /tokenize``), special tokens as a completion adds
+        them unless told not to."""
+        r = self._post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": add_special_tokens})
         r.raise_for_status()
         return list(r.json()["tokens"])
 
-    def complete(self, body: dict) -> tuple[int, dict]:
-        """``POST /v1/completions``: the status and the server's JSON answer."""
-        r = self._post("/v1/completions", body, self._completion_timeout)
+    def complete(self, body: dict, path: str = COMPLETIONS) -> tuple[int, dict]:
+        """``POST path`` (completions or chat completions): the status and the server's JSON answer."""
+        r = self._post(path, body, self._completion_timeout)
         return r.status_code, r.json()
 
-    def stream(self, body: dict) -> Iterator[dict | str]:
-        """``POST /v1/completions`` with ``stream``: each server-sent event's JSON, then ``"[DONE]"``.
+    def stream(self, body: dict, path: str = COMPLETIONS) -> Iterator[dict | str]:
+        """``POST path`` with ``stream``: each server-sent event's JSON, then ``"[DONE]"``.
 
         ``EngineUnreachableError`` if the server cannot be reached before its first event.
         """
         try:
-            with self._http.stream("POST", "/v1/completions", json=body, timeout=self._completion_timeout) as r:
+            with self._http.stream("POST", path, json=body, timeout=self._completion_timeout) as r:
                 if r.status_code != 200:
                     r.read()
                     yield {"error": r.json(), "status": r.status_code}

@@ -203,7 +203,7 @@ def test_up_without_flags_runs_the_dataclass_defaults(ran):
 def test_only_the_given_flags_change_the_configs(ran):
     _, options = ran("--ranks", "3", "--device", "cpu", "--cpus-per-rank", "0.25", "--tokens-per-block", "32",
                      "--dtype", "bfloat16", "--secondary-bytes", "1GiB", "--no-enable-partial-reuse",
-                     "--host", "0.0.0.0", "--port", "0", "--policy", "dynamo", "--dynamo-overlap-score-weight",
+                     "--host", "0.0.0.0", "--allow-unauthenticated", "--port", "0", "--policy", "dynamo", "--dynamo-overlap-score-weight",
                      "2", "--vllm-events", "tcp://h:1", "--vllm-events", "tcp://h:2,tcp://h:3", "--router-seed",
                      "5", "--seed", "7")
     cache = dataclasses.replace(default_cache(), tokens_per_block=32, dtype=torch.bfloat16, secondary_bytes=1 << 30,
@@ -211,7 +211,7 @@ def test_only_the_given_flags_change_the_configs(ran):
     assert options.cluster == dataclasses.replace(ClusterConfig(), num_ranks=3, device="cpu", num_cpus_per_rank=0.25,
                                                   cache=cache, seed=7, detached=True)
     assert options.router == RouterActorConfig(
-        host="0.0.0.0", port=0, vllm_events=("tcp://h:1", "tcp://h:2,tcp://h:3"),
+        host="0.0.0.0", port=0, vllm_events=("tcp://h:1", "tcp://h:2,tcp://h:3"), allow_unauthenticated=True,
         router=RouterConfig(policy="dynamo", seed=5, policy_options={"overlap_score_weight": 2.0}))
 
 

@@ -61,7 +61,8 @@ def test_completions_report_the_real_reused_count(router):
     second = client.post("/v1/completions", json={"prompt": shared + "Beta!", "max_tokens": 5,
                                                   "model": "kvledger-reference"}).json()
     unknown = client.post("/v1/completions", json={"prompt": shared, "model": "anything"})
-    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.json()["error"]["type"] == "not_found_error" and unknown.json()["error"]["param"] == "model"
     assert "'anything' is not served here" in unknown.json()["error"]["message"]
     assert first["object"] == "text_completion" and first["usage"]["completion_tokens"] == 5
     assert first["usage"]["prompt_tokens"] == len(encode(shared + "Alpha?"))
@@ -111,33 +112,43 @@ def test_models_and_a_streamed_completion_as_server_sent_events(router):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
     text, usage = chunks
-    assert text["choices"][0]["text"] == decode(text["kvledger"]["output_token_ids"]) and "usage" not in text
+    assert text["choices"][0]["text"] == decode(usage["kvledger"]["output_token_ids"]) and "usage" not in text
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    ({"prompt": ""}, 422, "prompt"),
-    ({"prompt": [1, -1]}, 422, "prompt"),
-    ({"prompt": [1, 2], "max_tokens": -3}, 422, "max_tokens"),
-    ({"prompt": "x", "max_tokens": "5"}, 422, "max_tokens"),
-    ({"prompt": "x", "priority": 101}, 422, "priority"),
-    ({"prompt": "x", "temperature": 0.7}, 400, "temperature=0.7: the kvledger-reference ranks decode greedily"),
-    ({"prompt": "x", "top_k": 5}, 422, "top_k"),
-    ({"prompt": "x", "stream": "yes"}, 422, "stream"),
-    ({"prompt": [1, 600]}, 400, "vocabulary"),
-    ({"max_tokens": 3}, 422, "prompt"),
+@pytest.mark.parametrize("body, param, needle", [
+    ({"prompt": ""}, "prompt", "at least 1 character"),
+    ({"prompt": [1, -1]}, "prompt[1]", "greater than or equal to 0"),
+    ({"prompt": [1, 2], "max_tokens": -3}, "max_tokens", "greater than or equal to 0"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", "less than or equal to 4096"),
+    ({"prompt": "x", "n": 1000}, "n", "less than or equal to 16"),
+    ({"prompt": "x", "priority": 101}, "priority", "less than or equal to 100"),
+    ({"prompt": "x", "temperature": 0.7}, "temperature", "temperature=0.7: the kvledger-reference ranks decode"),
+    ({"prompt": "x", "top_k": 5}, "top_k", "top_k=5: the kvledger-reference ranks decode greedily"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
+    ({"prompt": [1, 600]}, "prompt", "vocabulary"),
+    ({"prompt": list(range(1, 400)), "max_tokens": 4096}, "prompt", "need 1124 blocks of 4 tokens; the largest rank's"),
+    ({"max_tokens": 3}, "prompt", "Field required"),
 ])
-def test_bad_requests_get_4xx_with_the_reason_and_change_nothing(router, body, status, needle):
+def test_bad_requests_get_400_naming_the_field_and_change_nothing(router, body, param, needle):
     service, _, client = router
     before = service.report(refresh=False).to_dict()
     r = client.post("/v1/completions", json=body)
-    assert r.status_code == status, r.text
-    assert needle in r.text
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error", err
     after = service.report(refresh=False).to_dict()
     assert after["router"] == before["router"]
-    assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
-                       ).status_code == 422
-    assert client.get("/v1/events", params={"since": -1}).status_code == 422
+
+
+def test_malformed_json_and_bad_queries_are_400_too(router):
+    _, _, client = router
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+    assert client.get("/v1/events", params={"since": -1}).status_code == 400
+    ignored = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "user": "me", "echo": False})
+    assert ignored.status_code == 200, "unknown fields are ignored, as vLLM ignores them"
 
 
 def test_events_stream_as_ndjson_and_follow_live(router):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -64,6 +66,8 @@ class RouterActorConfig:
     key, tenants share no cached blocks, and events, cluster report and metrics need an admin key."""
     allow_unauthenticated: bool = False
     """Serve without keys on an address other than loopback (anyone who reaches it sees every tenant's events)."""
+    max_restarts: int = -1
+    """How often Ray restarts the router after it dies (-1: always); it comes back on the same port."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,6 +77,8 @@ class RouterActorConfig:
         elif not is_loopback(self.host) and not self.allow_unauthenticated:
             raise ValueError(f"host {self.host} is reachable from other machines and there are no api_keys: give "
                              "--api-keys FILE, or --allow-unauthenticated to serve it open")
+        if type(self.max_restarts) is not int or self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be an int >= -1, got {self.max_restarts!r}")
         if not self.push_interval_s > 0 or not self.health_interval_s > 0:
             raise ValueError("push_interval_s and health_interval_s must be > 0")
         for spec in self.vllm_events:
@@ -89,11 +95,14 @@ class RouterHost:
         self._self_handle = _own_handle()
         self._stop = threading.Event()
         keys = None if config.api_keys is None else ApiKeys.load(config.api_keys)
-        self.server = HttpServer(make_app(self.service, keys), config.host, config.port).start()
+        # Listen at once, answering 503 until the index is rebuilt: a restarted router is never a hang.
+        self.ready = threading.Event()
+        self.server = HttpServer(make_app(self.service, keys, self.ready), config.host, config.port).start()
         # snapshot first, then attach: the first batch a rank pushes then follows its snapshot's number,
         # where a batch 0 arriving after the snapshot would read as a restart and cost a second one
         self.service.feed.sync()
         self._attach_all()
+        self.ready.set()
         for spec in config.vllm_events:
             self.service.feed.attach_vllm(*parse_vllm_endpoint(spec))
         self._maintenance = threading.Thread(target=self._maintain, name="kvledger-router-maintenance", daemon=True)
@@ -108,6 +117,10 @@ class RouterHost:
 
     def ping(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        """The router's process (what a chaos test kills)."""
+        return os.getpid()
 
     def stop(self) -> None:
         self._stop.set()
@@ -145,6 +158,13 @@ def _own_handle():
         return None
 
 
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the OS picks it; the router binds it moments later, on this node)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def router_actor_class():
     """``RouterHost`` as a Ray actor (sequential: one caller's pushes run in order)."""
     return ray.remote(max_concurrency=1)(RouterHost)
@@ -158,7 +178,9 @@ def start_router(cluster: Cluster, config: RouterActorConfig = RouterActorConfig
         config = dataclasses.replace(config, router=dataclasses.replace(config.router, tokens_per_block=tpb))
     if cluster.actors and cluster.block_counts is None:
         raise ValueError("the cluster has not agreed block counts yet; start the router after Cluster.start")
-    opts = dict(name=name, namespace=cluster.config.namespace, num_cpus=0, max_restarts=0,
+    if config.port == 0:   # a restart binds the port the first start got
+        config = dataclasses.replace(config, port=free_port(config.host))
+    opts = dict(name=name, namespace=cluster.config.namespace, num_cpus=0, max_restarts=config.max_restarts,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                    soft=False))
     if detached:

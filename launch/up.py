@@ -348,10 +348,11 @@ def _router_view(url: str | None) -> dict | None:
     from kvledger.launch.router_client import auth_headers
     try:
         r = httpx.get(f"{url}/v1/cluster", headers=auth_headers(), timeout=10.0)
-        r.raise_for_status()
-        return r.json()
     except httpx.HTTPError as e:
-        return {"error": f"{url} does not answer ({type(e).__name__}: {e})"}
+        return {"error": f"{url} does not answer ({type(e).__name__}: {e}); Ray restarts a router that died"}
+    if r.status_code != 200:   # starting (503), or a key that is not an admin's
+        return {"error": f"{url} answered {r.status_code}: {r.json().get('error', {}).get('message', r.text)}"}
+    return r.json()
 
 
 def down(out: Callable[[str], None] = print, grace_s: float = 30.0) -> int:

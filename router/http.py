@@ -210,11 +210,20 @@ User = Annotated[Caller, Depends(_caller)]
 Admin = Annotated[Caller, Depends(_admin)]
 
 
-def make_app(service: RouterService, keys: ApiKeys | None = None) -> FastAPI:
+def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threading.Event | None = None) -> FastAPI:
     """The router's HTTP API over ``service`` (see DESIGN.md, "HTTP"); with ``keys``, every endpoint but
-    ``/health`` wants a key, and the admin endpoints an admin's (``router.tenants``)."""
+    ``/health`` wants a key, and the admin endpoints an admin's (``router.tenants``). Until ``ready`` is set
+    (a router rebuilding its index after a restart) every request gets a 503 with ``Retry-After``."""
     app = FastAPI(title="kvledger router", version="0.1.0", responses=ERROR_RESPONSES)
     app.openapi = lambda: _openapi(app)
+
+    @app.middleware("http")
+    async def _starting(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if ready is not None and not ready.is_set():
+            return error_response(503, "the router is starting: it is rebuilding its index from the ranks' "
+                                       "snapshots", code="starting", headers={"Retry-After": "1"})
+        return await call_next(request)
+
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ServiceCollector(service))
     app.state.service = service

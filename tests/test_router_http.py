@@ -240,3 +240,19 @@ def test_a_real_vllm_engines_events_show_in_probes_but_never_get_requests():
         server.stop()
         service.close()
         engine.close()
+
+
+def test_a_router_rebuilding_its_index_answers_503_with_retry_after(router):
+    service, _, _ = router
+    ready = threading.Event()
+    server = HttpServer(make_app(service, ready=ready), port=0).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=20.0) as client:
+            for call in (lambda: client.get("/health"), lambda: client.post("/v1/completions", json={"prompt": "x"})):
+                r = call()
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "starting"
+            ready.set()
+            assert client.get("/health").status_code == 200
+    finally:
+        server.stop()

@@ -11,7 +11,9 @@ to these ranks would take the first one's event stream.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 
 import httpx
@@ -218,3 +220,27 @@ def test_the_router_actor_indexes_a_vllm_engine_given_on_the_command_line(ray_se
             ray_session.kill(handle, no_restart=True)
         cluster.shutdown()
         engine.close()
+
+
+def test_the_router_comes_back_on_its_port_with_its_index_rebuilt(routed, ray_session):
+    cluster, handle, client = routed
+    text = system("back") + "Q: is this still cached once the router died?"
+    home = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["kvledger"]["rank"]
+    pid = ray_session.get(handle.pid.remote(), timeout=TIMEOUT)
+    os.kill(pid, signal.SIGKILL)
+
+    def serving() -> bool:
+        try:
+            r = client.get("/health")
+        except httpx.TransportError:   # down, or restarting: the port is closed until it listens again
+            return False
+        return r.status_code == 200 and r.json()["live_ranks"] == [0, 1]
+
+    wait_for(serving, "the router to come back", timeout_s=TIMEOUT)
+    assert ray_session.get(handle.pid.remote(), timeout=TIMEOUT) != pid, "a new process, on the same port"
+    approx = client.post("/v1/probe", json={"prompt": text}).json()["ranks"]
+    exact = client.post("/v1/probe", json={"prompt": text, "exact": True}).json()["ranks"]
+    assert [r["matched_tokens"] for r in approx] == [r["matched_tokens"] for r in exact]
+    assert approx[home]["matched_tokens"] > 0, "the index was rebuilt from the ranks' snapshots"
+    again = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["kvledger"]
+    assert again["rank"] == home and again["cached_tokens"] > 0

@@ -40,6 +40,7 @@ from kvledger.router.feed import parse_vllm_endpoint
 from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
 from kvledger.router.service import RouterService
 from kvledger.router.tenants import ApiKeys, is_loopback
+from kvledger.worker.rank.faults import TransportFaults
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class RouterActorConfig:
     """Serve without keys on an address other than loopback (anyone who reaches it sees every tenant's events)."""
     max_restarts: int = -1
     """How often Ray restarts the router after it dies (-1: always); it comes back on the same port."""
+    transport_faults: TransportFaults = field(default_factory=TransportFaults)
+    """Faults injected into the ranks' event pushes (off by default; the chaos run and the tests turn them on)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -130,7 +133,8 @@ class RouterHost:
     def _attach_all(self) -> None:
         if self._self_handle is None:
             return
-        refs = {r: self.cluster.actors[r].attach_router.remote(self._self_handle, self.config.push_interval_s)
+        refs = {r: self.cluster.actors[r].attach_router.remote(self._self_handle, self.config.push_interval_s,
+                                                               self.config.transport_faults)
                 for r in self.cluster.live()}
         for r, ref in refs.items():
             try:

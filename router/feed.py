@@ -76,6 +76,7 @@ class EventFeed:
         self._rate_window_s = rate_window_s
         self._on_removed = on_removed
         self._known: set[int] = set()              # ranks whose feed this router keeps
+        self._published: dict[int, int] = {}       # rank -> batches it said it had published, last round
         self._counters: dict[int, FeedCounters] = {}
         self._rank_locks: dict[int, threading.Lock] = {}
         self._rank_locks_guard = threading.Lock()
@@ -136,6 +137,24 @@ class EventFeed:
             elif r in live and f.subscriber.paused:
                 logger.info("vLLM engine %s (rank %d) answers again: resyncing its events", f.name, r)
                 f.subscriber.resync()
+
+    def close_gap(self, rank: int, published: int) -> None:
+        """``rank`` says it has published ``published`` batches (called every health round): fetch what the
+        index still lacks of what it had published a round earlier (lost on the way, or held back; a later
+        batch would show the gap, but the last one may have none after it). Batches published since are
+        likely on their way, so they get a round to arrive before they cost a replay."""
+        with self._rank_lock(rank):
+            with self.lock:
+                start = self.index.next_seq(rank)
+                behind = rank in self._known and start < self._published.get(rank, 0)
+                self._published[rank] = published
+            if not behind:
+                return
+            logger.info("rank %d published %d batches, the index has %d: replaying the rest", rank, published, start)
+            try:
+                self._catch_up(rank, start)
+            except RankDiedError as e:
+                self.lost(e)
 
     def flush(self, rank: int) -> None:
         """Fetch and apply ``rank``'s pending events now (so the index reflects what it just did)."""
@@ -222,6 +241,7 @@ class EventFeed:
             engine = self._foreign.get(rank)
             known = rank in self._known or (engine is not None and not engine.subscriber.paused)
             self._known.discard(rank)
+            self._published.pop(rank, None)   # a rank that comes back numbers its batches from 0 again
             if engine is not None:
                 engine.subscriber.pause()
                 self._foreign_feed.remove_rank(rank)

@@ -587,6 +587,9 @@ class RouterService:
             loads[r] = load
         with self._lock:
             self._loads.update(loads)
+        for r, load in loads.items():
+            if self.ranks.engine(r) is None:
+                self.feed.close_gap(r, load.published_batches)
 
     def report(self, refresh: bool = True) -> ClusterReport:
         """The cluster as the router sees it: per live rank its blocks, hit rate, events and load; totals."""

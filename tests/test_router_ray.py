@@ -26,6 +26,7 @@ from kvledger.coordinator.router_actor import RouterActorConfig, start_router
 from kvledger.launch.cli import main as cli
 from kvledger.worker.engine.tokenizer import encode
 from kvledger.worker.ledger import CacheConfig
+from kvledger.worker.rank.faults import TransportFaults
 from kvledger.worker.wire.request import Request
 
 T = 8
@@ -244,3 +245,36 @@ def test_the_router_comes_back_on_its_port_with_its_index_rebuilt(routed, ray_se
     assert approx[home]["matched_tokens"] > 0, "the index was rebuilt from the ranks' snapshots"
     again = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["kvledger"]
     assert again["rank"] == home and again["cached_tokens"] > 0
+
+
+def test_a_lossy_event_transport_still_gives_the_exact_index(ray_session):
+    """Batches dropped, sent twice, reordered and delayed on the way to the router (a seeded share of each):
+    after the traffic, the index agrees with every rank's own ledger, and every ledger's books balance."""
+    faults = TransportFaults(drop=0.2, duplicate=0.15, reorder=0.15, delay=0.1, delay_s=0.02, seed=3)
+    cluster = Cluster.start(ClusterConfig(num_ranks=2, device="cpu", cache=cache(64), num_cpus_per_rank=0.5,
+                                          name_prefix=f"{PREFIX}-lossy", group_timeout_s=30, call_timeout_s=TIMEOUT))
+    handle = None
+    try:
+        handle, url = start_router(cluster, RouterActorConfig(port=0, transport_faults=faults, health_interval_s=0.2),
+                                   name=f"{PREFIX}-router-lossy")
+        prompts = [system(f"l{i:02d}") + f"Q: number {i}?" for i in range(40)]   # no two share a block
+        for i, p in enumerate(prompts):   # served on the ranks directly: the pushes alone tell the router
+            cluster.client(i % 2).serve([Request(9000 + i, encode(p), 2)])
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+            def agrees() -> bool:
+                for p in prompts:
+                    approx = client.post("/v1/probe", json={"prompt": p}).json()["ranks"]
+                    exact = client.post("/v1/probe", json={"prompt": p, "exact": True}).json()["ranks"]
+                    if [r["matched_tokens"] for r in approx] != [r["matched_tokens"] for r in exact]:
+                        return False
+                return True
+
+            wait_for(agrees, "the index to agree with the ledgers", timeout_s=TIMEOUT)
+            c = client.get("/v1/cluster").json()
+            assert c["router"]["replays"] > 0 and c["router"]["batches_duplicate"] > 0, "the faults did happen"
+        for r in range(2):
+            cluster.clients[r].check_integrity()
+    finally:
+        if handle is not None:
+            ray_session.kill(handle, no_restart=True)
+        cluster.shutdown()

@@ -12,6 +12,7 @@ import os
 from functools import cache
 
 import kvledger.worker
+from kvledger.worker.rank.faults import FaultySink, TransportFaults
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.batches import PublishedBatch
 
@@ -44,8 +45,10 @@ def rank_actor_class(worker_cls: type[RankWorker] = RankWorker) -> type:
             """Where this process imported kvledger from (the shipped package on a node without an install)."""
             return os.path.dirname(kvledger.worker.__file__)
 
-        def attach_router(self, router: ray.actor.ActorHandle, interval_s: float = 0.005) -> bool:
-            """Push this rank's event batches to ``router.ingest(rank, seq, data)``, fire-and-forget.
+        def attach_router(self, router: ray.actor.ActorHandle, interval_s: float = 0.005,
+                          faults: TransportFaults | None = None) -> bool:
+            """Push this rank's event batches to ``router.ingest(rank, seq, data)``, fire-and-forget, through
+            ``faults`` when they are on (``worker.rank.faults``).
 
             At most ``MAX_PUSHES_IN_FLIGHT`` pushes stay unanswered: past that the
             publisher thread waits for the router (back-pressure, so a slow router's
@@ -58,6 +61,7 @@ def rank_actor_class(worker_cls: type[RankWorker] = RankWorker) -> type:
                 if len(in_flight) > MAX_PUSHES_IN_FLIGHT:
                     _, in_flight[:] = ray.wait(in_flight, num_returns=len(in_flight) // 2, timeout=30)
 
-            return self.start_publishing(sink, interval_s, owner=router._actor_id.hex())
+            push = FaultySink(sink, faults, self.rank) if faults is not None and faults.active else sink
+            return self.start_publishing(push, interval_s, owner=router._actor_id.hex())
 
     return RankActor

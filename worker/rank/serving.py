@@ -73,10 +73,11 @@ class RankServer:
         """
         mgr = self.books.manager
         s = mgr.stats() if mgr is not None else None
+        pub = self.books.publisher
         with self._count_lock:
             queue = dict(publishing=publishing, queued_prefill_tokens=self._queued_tokens,
                          queued_requests=self._queued_requests, running_requests=self._running,
-                         served_requests=self._served)
+                         served_requests=self._served, published_batches=0 if pub is None else pub.next_seq)
         if s is None:
             return RankLoad(self.books.rank, False, **queue)
         return RankLoad(self.books.rank, True, **queue, device_blocks_used=s.used_num_blocks,

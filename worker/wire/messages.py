@@ -62,6 +62,8 @@ class RankLoad:
     host_blocks_free: int = 0
     cache_hit_rate: float = 0.0
     """The ledger's reused / (reused + missed) blocks."""
+    published_batches: int = 0
+    """Event batches the rank has published (the number its next one gets): a router behind it has lost some."""
 
     @property
     def device_blocks(self) -> int:

@@ -52,9 +52,20 @@ def read_kv(mgr: KVCacheManager, request_id: int, pos: int) -> float:
     return float(mgr.pools.primary[b.slot, 0, 0, pos % T, 0, 0])
 
 
+def prefill(mgr: KVCacheManager, request: Request) -> None:
+    """Play the engine's prefill of an admitted request: write each context chunk, admit the next."""
+    for _ in range(len(request.tokens)):
+        start, end = mgr.context_chunk(request.request_id)
+        write_kv(mgr, request, start, end, request.tokens)
+        if end == len(request.tokens):
+            return
+        mgr.add_context_chunk(request.request_id)
+
+
 def serve(mgr: KVCacheManager, request: Request) -> int:
-    """Admit, 'prefill' the new positions, store the prompt; returns the prepopulated length."""
+    """Admit, 'prefill' the new positions (chunk by chunk where the ledger chunks), store the prompt; returns the
+    prepopulated length."""
     pre = mgr.add_sequence(request)
-    write_kv(mgr, request, pre, len(request.tokens), request.tokens)
+    prefill(mgr, request)
     mgr.store_context_blocks(request.request_id)
     return pre

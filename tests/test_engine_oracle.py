@@ -283,3 +283,164 @@ def test_a_speculative_step_with_rejected_drafts_gives_the_logits_of_the_accepte
     again = serve_one(engine, mgr, req(sequence, max_new=0))
     assert again.cached_tokens == 12, "the prompt block and the accepted decode block are reused"
     assert_matches_scratch(engine, cfg, req(sequence, max_new=0), again)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 12])
+def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_one_prefill(chunk: int) -> None:
+    """Each chunk reads the positions before it back from the pool; the answer is the one-step prefill's."""
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(make_config(context_chunk_size=chunk))
+    r = req(tokens(30, seed=50), max_new=5)
+    got = serve_one(engine, mgr, r)
+    assert got.cached_tokens == 0
+    assert_matches_scratch(engine, cfg, r, got)
+
+
+def test_a_chunked_prefill_over_partially_reused_blocks() -> None:
+    """Two full blocks and some tokens of a third are reused (a free leaf in place, then a block a running request
+    holds); the chunks start mid-block and go on from there."""
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(make_config(context_chunk_size=8))
+    shared = tokens(12, seed=51)
+    serve_one(engine, mgr, req(shared + tokens(1, seed=52), max_new=0))
+    r = req(shared[:11] + tokens(20, seed=53))
+    got = serve_one(engine, mgr, r)
+    assert got.cached_tokens == 11
+    assert_matches_scratch(engine, cfg, r, got)
+
+    holder = req(shared + tokens(1, seed=52), max_new=0)
+    mgr.add_sequence(holder)                                   # holds the stored blocks: the partial one is copied
+    r2 = req(shared[:10] + tokens(25, seed=54))
+    (got2,) = ReferenceEngine(cfg).serve(mgr, [r2])
+    assert got2.cached_tokens == 10
+    assert_matches_scratch(engine, cfg, r2, got2)
+    mgr.remove_sequence(holder.request_id, store=False)
+    mgr.check_integrity()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_prefilled_in_chunks_of_different_counts(device: str) -> None:
+    cfg = make_config(device=device)
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(make_config(device=device, context_chunk_size=8))
+    batch = [req(tokens(n, seed=60 + n), max_new=3) for n in (3, 17, 30)]
+    got = engine.serve(mgr, batch)
+    mgr.check_integrity()
+    for r, g in zip(batch, got):
+        assert_matches_scratch(engine, cfg, r, g)
+
+
+def test_a_chunk_cut_by_fit_token_budget_is_computed_later_with_the_same_logits() -> None:
+    """Reuse falls short of the estimate, the fit cuts the chunk after allocation, the cut tokens come in the next
+    chunk: every prompt position's logits equal one from-scratch prefill's."""
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(make_config(context_chunk_size=12))
+    prompt = tokens(26, seed=70)
+    serve_one(engine, mgr, req(prompt[:16] + tokens(2, seed=71), max_new=0))
+    r = req(prompt)
+    estimate = mgr.get_context_budget(r).estimated_reusable_tokens
+    assert estimate == 16
+    assert mgr.add_sequence(r) == 16
+    # Price the step as if four more tokens had been reused: the 10-token chunk must shrink to 6.
+    assert mgr.fit_token_budget([r.request_id], len(prompt) - estimate - 4) == [6]
+    pool, rid, out = mgr.pools.primary, r.request_id, []
+    for _ in range(len(prompt)):
+        start, end = mgr.context_chunk(rid)
+        out.append(engine.model.forward(pool, mgr.block_table([rid]), [prompt[start:end]], [start]))
+        if end == len(prompt):
+            break
+        mgr.add_context_chunk(rid)
+    mgr.store_context_blocks(rid)
+    mgr.remove_sequence(rid)
+    fresh = KVCacheManager(cfg)
+    fresh.add_sequence(Request(0, prompt))
+    scratch = engine.model.forward(fresh.pools.primary, fresh.block_table([0]), [prompt], [0])
+    got = torch.cat(out)
+    assert got.shape[0] == len(prompt) - 16
+    assert torch.allclose(got, scratch[16:], atol=ATOL, rtol=RTOL)
+
+
+def scratch_logits(engine: ReferenceEngine, cfg: CacheConfig, sequence: list[int]) -> torch.Tensor:
+    """Logits after every position of ``sequence``, computed in one prefill on a fresh manager."""
+    fresh = KVCacheManager(cfg)
+    fresh.add_sequence(Request(0, sequence))
+    return engine.model.forward(fresh.pools.primary_pools, fresh.block_table([0]), [sequence], [0]).cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prompt_len", [10, 12])
+def test_every_beam_attends_to_its_own_sequence(prompt_len: int, device: str) -> None:
+    """Each beam's final logits, and the score of each of its tokens, equal a from-scratch prefill of that beam's
+    sequence: the shared context, its own tail, and the blocks copied when it took up another beam's hypothesis."""
+    cfg = make_config(device=device)
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(cfg)
+    prompt = tokens(prompt_len, seed=80)
+    got = engine.beam_search(mgr, req(prompt, max_new=6, beam_width=3))
+    mgr.check_integrity()
+    assert mgr.stats().used_num_blocks == 0
+    assert len(got.beams) == 3 and len({tuple(b) for b in got.beams}) == 3
+    assert got.copied_blocks > 0, "no beam took up another's hypothesis: the copies went untested"
+    assert got.scores == sorted(got.scores, reverse=True)
+    for beam, score, last in zip(got.beams, got.scores, got.last_logits):
+        ref = scratch_logits(engine, cfg, prompt + beam)
+        assert torch.allclose(last, ref[-1], atol=ATOL, rtol=RTOL)
+        logp = torch.log_softmax(ref[prompt_len - 1:-1], dim=-1)
+        assert abs(sum(logp[i, t].item() for i, t in enumerate(beam)) - score) < 1e-3
+
+
+def test_a_beam_search_of_one_beam_is_greedy_decoding() -> None:
+    cfg = make_config()
+    engine = ReferenceEngine(cfg)
+    r = req(tokens(9, seed=81), max_new=5)
+    greedy = serve_one(engine, KVCacheManager(cfg), r)
+    got = engine.beam_search(KVCacheManager(cfg), req(r.tokens, max_new=5, beam_width=1))
+    assert got.beams == [greedy.output_tokens] and got.copied_blocks == 0
+
+
+def test_beams_over_a_reused_chunked_context() -> None:
+    """The context comes partly from the tree and partly in chunks; the beams still see their own sequences, and
+    the shared context is stored for reuse as for one beam."""
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(make_config(context_chunk_size=4))
+    prompt = tokens(19, seed=82)
+    serve_one(engine, mgr, req(prompt[:9], max_new=0))
+    got = engine.beam_search(mgr, req(prompt, max_new=4, beam_width=2))
+    assert got.cached_tokens == 8
+    for beam, last in zip(got.beams, got.last_logits):
+        assert torch.allclose(last, scratch_logits(engine, cfg, prompt + beam)[-1], atol=ATOL, rtol=RTOL)
+    assert mgr.probe_prefix_match_length(prompt + [1]) == 16   # the shared full blocks, nothing of the beams
+    again = serve_one(engine, mgr, req(prompt, max_new=2))
+    assert again.cached_tokens == 16
+    assert_matches_scratch(engine, cfg, req(prompt, max_new=2), again)
+
+
+def test_serve_refuses_beams_and_beam_search_refuses_no_tokens() -> None:
+    cfg = make_config()
+    engine, mgr = ReferenceEngine(cfg), KVCacheManager(cfg)
+    mgr.take_events()
+    with pytest.raises(ValueError, match="beam_search"):
+        engine.serve(mgr, [req([1, 2, 3], beam_width=2)])
+    with pytest.raises(ValueError, match="no new tokens"):
+        engine.beam_search(mgr, req([1, 2, 3], max_new=0, beam_width=2))
+    assert mgr.take_events() == [] and mgr.stats().alloc_total_blocks == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_with_different_kv_heads_reused_offloaded_and_onboarded(device: str) -> None:
+    """VGQA: a pool per KV head count; prefix reuse, a copied partial block and host-tier round trips move every
+    pool's K/V, and the answers are those computed from scratch."""
+    cfg = make_config(device=device, num_layers=3, num_kv_heads_per_layer=(2, 1, 2), num_primary_blocks=12,
+                      num_secondary_blocks=32)
+    engine, mgr = ReferenceEngine(cfg, seed=6), KVCacheManager(cfg)
+    assert len(mgr.pools.primary_pools) == 2
+    a = req(tokens(30, seed=90), max_new=2)
+    serve_one(engine, mgr, a)
+    serve_one(engine, mgr, req(tokens(44, seed=91), max_new=1))   # a's blocks go to the host
+    assert mgr.stats().offloaded_blocks > 0
+    a2 = req(a.tokens[:26] + tokens(6, seed=92), max_new=4)       # six full blocks onboarded, two tokens copied
+    got = serve_one(engine, mgr, a2)
+    assert got.cached_tokens == 26 and got.onboarded_blocks > 0
+    assert_matches_scratch(engine, cfg, a2, got)
+    beams = engine.beam_search(mgr, req(a2.tokens, max_new=3, beam_width=2))
+    assert beams.cached_tokens == 31
+    for beam, last in zip(beams.beams, beams.last_logits):
+        assert torch.allclose(last, scratch_logits(engine, cfg, a2.tokens + beam)[-1], atol=ATOL, rtol=RTOL)

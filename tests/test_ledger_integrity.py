@@ -15,6 +15,7 @@ from ledger_helpers import make_manager, make_request, serve
 from kvledger.worker.ledger import KVCacheManager
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY, Block
 from kvledger.worker.ledger.eviction import level_of
+from kvledger.worker.ledger.integrity import check_sequences
 from kvledger.worker.wire.block_key import BlockKey
 
 A = list(range(100, 112))  # three full blocks
@@ -278,3 +279,17 @@ def test_the_debug_switch_checks_after_every_public_call(switch):
         mgr.refresh_blocks()
         with pytest.raises(AssertionError, match="ref_count 2, held by 1"):
             mgr.check_integrity()
+
+
+def test_a_sequence_with_fewer_blocks_than_tokens_or_uneven_beams_is_named():
+    mgr = make_manager(primary=8, check_integrity=False)
+    mgr.add_sequence(make_request(1, list(range(10)), beam_width=2))
+    seq = mgr._seqs[1]
+    seq.num_tokens += 3                       # tokens past its last block
+    with pytest.raises(AssertionError, match="request 1: 3 blocks for 13 tokens"):
+        mgr.check_integrity()
+    seq.num_tokens -= 3
+    mgr.add_token(1, 3)
+    seq.beams[0].pop()                        # beam 1 lost its decode block
+    with pytest.raises(AssertionError, match="beams own"):
+        check_sequences([seq], 4)

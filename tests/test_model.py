@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from kvledger.worker.engine.model import GQA_GROUP, ROPE_THETA, TinyDecoder, lora_vector
+from kvledger.worker.engine.model import GQA_GROUP, ROPE_THETA, TinyDecoder, lora_vector, query_heads
 from kvledger.worker.engine.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, decode, encode
 from kvledger.worker.ledger.config import CacheConfig
 
@@ -43,8 +43,8 @@ def dense_logits(model: TinyDecoder, tokens: list[int], kv_dtype: torch.dtype,
     """Full causal recompute of ``tokens`` on CPU: float32 logits ``[len, vocab]``."""
     w = model.weights
     cfg = model.config
-    kv_heads, d = cfg.num_kv_heads, cfg.head_dim
-    heads = GQA_GROUP * kv_heads
+    d = cfg.head_dim
+    heads = query_heads(cfg)
     n = len(tokens)
     pos = torch.arange(n, dtype=torch.float32)
     inv_freq = ROPE_THETA ** (-torch.arange(d // 2, dtype=torch.float32) / (d // 2))
@@ -62,12 +62,12 @@ def dense_logits(model: TinyDecoder, tokens: list[int], kv_dtype: torch.dtype,
     x = w.embed[torch.tensor(tokens)]
     if lora_id is not None:
         x = x + lora_vector(x.shape[1], model.seed, lora_id)
-    for lw in w.layers:
+    for lw, kv_heads in zip(w.layers, cfg.kv_heads_per_layer):
         h = norm(x, lw.attn_norm)
         q = rot((h @ lw.wq).view(n, heads, d))
         k = rot((h @ lw.wk).view(n, kv_heads, d)).to(kv_dtype).float()
         v = (h @ lw.wv).view(n, kv_heads, d).to(kv_dtype).float()
-        k, v = k.repeat_interleave(GQA_GROUP, 1), v.repeat_interleave(GQA_GROUP, 1)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         x = x + torch.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * d) @ lw.wo
@@ -201,6 +201,29 @@ def test_lora_changes_kv_and_matches_dense_in_a_mixed_batch() -> None:
     assert torch.equal(out[1], out[3])
     assert not close(out[0], out[1]) and not close(out[1], out[2])
     assert not torch.equal(pool[bt[0, 0]], pool[bt[1, 0]])  # the adapter changes the K/V written
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_with_different_kv_heads_keep_their_kv_in_one_pool_per_count(device: str) -> None:
+    """VGQA: layers 0 and 2 have two KV heads, layer 1 one, so there are two pools; prefilled in two chunks the
+    model still equals the dense recompute, and each pool holds only its layers."""
+    cfg = CacheConfig(tokens_per_block=4, num_layers=3, num_kv_heads_per_layer=(2, 1, 2), head_dim=16, dtype=torch.float32,
+                      device=device, num_primary_blocks=16)
+    model = TinyDecoder(cfg, seed=4)
+    assert query_heads(cfg) == 4 and [lw.wk.shape[1] for lw in model.weights.layers] == [32, 16, 32]
+    pools = [torch.full((16, *shape), float("nan"), device=device) for shape in cfg.block_shapes]
+    assert [tuple(p.shape[1:]) for p in pools] == [(2, 2, 4, 2, 16), (1, 2, 4, 1, 16)]
+    toks = prompt(13, seed=5)
+    bt = table([[3, 0, 7, 12]], 4)
+    model.forward(pools, bt, [toks[:6]], [0])
+    out = model.forward(pools, bt, [toks[6:]], [6])
+    assert close(out, dense_logits(model, toks, torch.float32)[6:])
+    slots = [3, 0, 7, 12]
+    for pool in pools:   # every position written in each pool, nothing elsewhere
+        assert not torch.stack([pool[slots[i // 4], :, :, i % 4] for i in range(13)]).isnan().any()
+        assert pool[1].isnan().all() and pool[12, :, :, 1:].isnan().all()
+    with pytest.raises(ValueError, match="2 pools, got 1"):
+        model.forward(pools[0], bt, [toks[:1]], [0])
 
 
 def test_weights_are_deterministic_per_seed() -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"ReferenceEngine": "reference", "ServeResult": "reference", "TinyDecoder": "model"}
+_LAZY = {"BeamSearchResult": "reference", "ReferenceEngine": "reference", "ServeResult": "reference",
+         "TinyDecoder": "model"}
 
 
 def __getattr__(name: str) -> object:

@@ -15,6 +15,7 @@ ledger that shares blocks across adapters.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,11 +65,17 @@ class DecoderWeights:
                               self.final_norm.to(device), self.lm_head.to(device))
 
 
+def query_heads(config: CacheConfig) -> int:
+    """``GQA_GROUP`` query heads per KV head of the layer with the most; with KV heads varying by layer (VGQA), the
+    least common multiple of the counts, so that every layer's query heads group evenly."""
+    return GQA_GROUP * math.lcm(*config.kv_heads_per_layer)
+
+
 def init_weights(config: CacheConfig, seed: int) -> DecoderWeights:
     """Seeded float32 CPU weights, scaled 1/sqrt(fan_in) so activations and logits stay O(1)."""
     g = torch.Generator().manual_seed(seed)
-    kv, d = config.num_kv_heads, config.head_dim
-    hidden = GQA_GROUP * kv * d
+    d = config.head_dim
+    hidden = query_heads(config) * d
 
     def lin(n_in: int, n_out: int) -> torch.Tensor:
         return torch.randn(n_in, n_out, generator=g) / n_in ** 0.5
@@ -80,7 +87,7 @@ def init_weights(config: CacheConfig, seed: int) -> DecoderWeights:
     layers = [LayerWeights(attn_norm=gain(), wq=lin(hidden, hidden), wk=lin(hidden, kv * d), wv=lin(hidden, kv * d),
                            wo=lin(hidden, hidden), mlp_norm=gain(), w_gate=lin(hidden, MLP_MULT * hidden),
                            w_up=lin(hidden, MLP_MULT * hidden), w_down=lin(MLP_MULT * hidden, hidden))
-              for _ in range(config.num_layers)]
+              for kv in config.kv_heads_per_layer]
     return DecoderWeights(embed, layers, gain(), lin(hidden, VOCAB_SIZE))
 
 
@@ -106,7 +113,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 class TinyDecoder:
-    """Decoder-only transformer over a paged KV pool ``[blocks, layers, K|V, tokens, kv_heads, head_dim]``."""
+    """Decoder-only transformer over paged KV pools ``[blocks, layers, K|V, tokens, kv_heads, head_dim]``: one pool,
+    or one per KV head count where the layers' counts differ (``CacheConfig.pool_layouts``)."""
 
     def __init__(self, config: CacheConfig, seed: int = 0) -> None:
         if config.head_dim % 2:
@@ -114,6 +122,8 @@ class TinyDecoder:
         self.config = config
         self.seed = seed
         self.weights = init_weights(config, seed)
+        self._where = {layer: (i, at) for i, p in enumerate(config.pool_layouts) for at, layer in enumerate(p.layers)}
+        """Layer -> (its pool, its index there)."""
         self._on_device: dict[torch.device, DecoderWeights] = {torch.device("cpu"): self.weights}
         self._lora: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -130,10 +140,12 @@ class TinyDecoder:
         return self._lora[key]
 
     @torch.no_grad()
-    def forward(self, pool: torch.Tensor, block_table: torch.Tensor,
+    def forward(self, pool: torch.Tensor | Sequence[torch.Tensor], block_table: torch.Tensor,
                 chunks: Sequence[Sequence[int]], starts: Sequence[int],
                 lora_ids: Sequence[int | None] | None = None) -> torch.Tensor:
-        """Run one batched step and return float32 logits ``[sum(len(c)), vocab]`` on ``pool.device``.
+        """Run one batched step and return float32 logits ``[sum(len(c)), vocab]`` on the pools' device.
+
+        ``pool`` is the one pool, or the list of pools in ``pool_layouts`` order.
 
         Request ``i`` brings ``chunks[i]``, the tokens at positions
         ``[starts[i], starts[i] + len(chunks[i]))``, and its pool slots in row ``i``
@@ -144,10 +156,14 @@ class TinyDecoder:
         Logits come in request order, one row per new token.
         """
         cfg = self.config
-        device = pool.device
-        expected = (cfg.num_layers, 2, cfg.tokens_per_block, cfg.num_kv_heads, cfg.head_dim)
-        if pool.dim() != 6 or tuple(pool.shape[1:]) != expected:
-            raise ValueError(f"pool must have shape [blocks, *{expected}], got {tuple(pool.shape)}")
+        pools = [pool] if isinstance(pool, torch.Tensor) else list(pool)
+        shapes = cfg.block_shapes
+        if len(pools) != len(shapes):
+            raise ValueError(f"the model keeps its KV in {len(shapes)} pools, got {len(pools)}")
+        for p, expected in zip(pools, shapes):
+            if p.dim() != 6 or tuple(p.shape[1:]) != expected or p.shape[0] != pools[0].shape[0]:
+                raise ValueError(f"pool must have shape [blocks, *{expected}], got {tuple(p.shape)}")
+        device = pools[0].device
         lens, starts_l = _check_chunks(chunks, starts, block_table, lora_ids)
         w = self.weights_on(device)
         T = cfg.tokens_per_block
@@ -171,10 +187,10 @@ class TinyDecoder:
         ctx_slot = table[:, :needed].repeat_interleave(T, dim=1)[:, :max_ctx]
         ctx_slot = torch.where(in_ctx, ctx_slot, table[:, :1])
         ctx_off = torch.where(in_ctx, ctx_pos[None, :] % T, 0)
-        bad = in_ctx & ((ctx_slot < 0) | (ctx_slot >= pool.shape[0]))
+        bad = in_ctx & ((ctx_slot < 0) | (ctx_slot >= pools[0].shape[0]))
         if bool(bad.any()):
             row = int(bad.any(dim=1).nonzero()[0, 0])
-            raise ValueError(f"block_table row {row} names no valid pool slot (-1 or >= {pool.shape[0]}) "
+            raise ValueError(f"block_table row {row} names no valid pool slot (-1 or >= {pools[0].shape[0]}) "
                              f"for a position below its context length {ctx_lens[row]}")
 
         # New tokens, flattened in request order, and where they sit in the padded batch.
@@ -190,20 +206,21 @@ class TinyDecoder:
         q_pos = start_t[:, None] + torch.arange(max_new, device=device)[None, :]
         mask = (ctx_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
-        kv, d = cfg.num_kv_heads, cfg.head_dim
-        heads = GQA_GROUP * kv
+        d = cfg.head_dim
+        heads = query_heads(cfg)
         x = w.embed[ids]
         if lora_ids is not None and any(lid is not None for lid in lora_ids):
             zero = w.embed.new_zeros(w.embed.shape[1])
             per_req = torch.stack([zero if lid is None else self.lora_on(device, lid) for lid in lora_ids])
             x = x + per_req[row_of]
-        for layer, lw in enumerate(w.layers):
+        for layer, (lw, kv) in enumerate(zip(w.layers, cfg.kv_heads_per_layer)):
+            p, at = self._where[layer]
             h = rms_norm(x, lw.attn_norm)
             q = rope((h @ lw.wq).view(-1, heads, d), pos)
             k = rope((h @ lw.wk).view(-1, kv, d), pos)
             v = (h @ lw.wv).view(-1, kv, d)
-            pool[new_slot, layer, :, new_off] = torch.stack((k, v), dim=1).to(pool.dtype)
-            ctx = pool[ctx_slot, layer, :, ctx_off].to(torch.float32)  # [batch, max_ctx, 2, kv, d]
+            pools[p][new_slot, at, :, new_off] = torch.stack((k, v), dim=1).to(pools[p].dtype)
+            ctx = pools[p][ctx_slot, at, :, ctx_off].to(torch.float32)  # [batch, max_ctx, 2, kv, d]
             k_ctx = ctx[:, :, 0].transpose(1, 2)
             v_ctx = ctx[:, :, 1].transpose(1, 2)
             q_pad = q.new_zeros(batch, max_new, heads, d)

@@ -37,8 +37,26 @@ class ServeResult:
     """Blocks brought back from the host tier to admit the request."""
 
 
+@dataclass(slots=True)
+class BeamSearchResult:
+    """The beams a beam search ended with, best first."""
+
+    request_id: int
+    beams: list[list[int]]
+    """Generated tokens of each beam, ``max_new_tokens`` each."""
+    scores: list[float]
+    """Each beam's summed log-probability of its tokens."""
+    last_logits: torch.Tensor
+    """Logits after each beam's whole sequence (prompt and generated tokens): float32 ``[beam_width, vocab]``, CPU."""
+    cached_tokens: int
+    """Prompt tokens whose KV the ledger supplied."""
+    copied_blocks: int
+    """Beam-owned blocks copied when beams took up another beam's hypothesis."""
+
+
 class ReferenceEngine:
-    """Prefill all requests in one batched step, then decode them together one token per step."""
+    """Prefill all requests together (chunk by chunk where the ledger chunks prompts), then decode them together
+    one token per step."""
 
     def __init__(self, config: CacheConfig, seed: int = 0) -> None:
         self.config = config
@@ -51,35 +69,136 @@ class ReferenceEngine:
         prompts' KV, the requests leave the ledger even when decoding fails (for
         example ``OutOfBlocksError`` while growing), so only written KV is stored.
         """
-        pool = self._check(manager, requests)
+        pools = self._check(manager, requests)
         if not requests:
             return []
+        for r in requests:
+            if r.beam_width > 1:
+                raise ValueError(f"serve decodes greedily; request {r.request_id} asks for {r.beam_width} beams "
+                                 "(use beam_search)")
         ids = [r.request_id for r in requests]
         cached = manager.add_sequences(list(requests))
         admissions = [manager.admission(rid) for rid in ids]
         try:
-            logits = self.model.forward(pool, manager.block_table(ids),
-                                        [r.tokens[c:] for r, c in zip(requests, cached)], cached,
-                                        [r.lora_id for r in requests])
+            last = self.prefill(manager, requests)
         except BaseException:
-            for rid in ids:  # the prompts' KV was never written: nothing of it may become reusable
+            for rid in ids:  # the current chunks' KV was never written: nothing of it may become reusable
                 manager.remove_sequence(rid, store=False)
             raise
-        last_rows = torch.tensor([len(r.tokens) - c for r, c in zip(requests, cached)]).cumsum(0) - 1
-        last = logits[last_rows.to(logits.device)]
         results = [ServeResult(r.request_id, [], last[i].float().cpu().clone(), c, len(r.tokens) - c,
                                a.onboarded_blocks)
                    for i, (r, c, a) in enumerate(zip(requests, cached, admissions))]
         try:
             for rid in ids:
                 manager.store_context_blocks(rid)
-            self._decode(manager, pool, requests, results, last)
+            self._decode(manager, pools, requests, results, last)
         finally:
             for rid in ids:
                 manager.remove_sequence(rid)
         return results
 
-    def _decode(self, manager: KVCacheManager, pool: torch.Tensor, requests: Sequence[Request],
+    def prefill(self, manager: KVCacheManager, requests: Sequence[Request]) -> torch.Tensor:
+        """Compute the admitted requests' prompts, one batched forward per round of context chunks, and return the
+        logits after each last prompt position, ``[len(requests), vocab]``.
+
+        Each round computes every unfinished request's current chunk
+        (``context_chunk``) and admits its next (``add_context_chunk``); a
+        chunk reads the positions before it back from the pool. The last chunks
+        are left for the caller to store.
+        """
+        pools = manager.pools.primary_pools
+        last: list[torch.Tensor | None] = [None] * len(requests)
+        active = list(range(len(requests)))
+        for _ in range(max(len(r.tokens) for r in requests)):   # every round computes a token of each at least
+            ids = [requests[i].request_id for i in active]
+            spans = [manager.context_chunk(rid) for rid in ids]
+            widths = torch.tensor([requests[i].beam_width for i in active])
+            table = manager.block_table(ids)[(widths.cumsum(0) - widths).to(manager.pools.device)]   # beam 0's rows
+            logits = self.model.forward(pools, table, [requests[i].tokens[s:e] for i, (s, e) in zip(active, spans)],
+                                        [s for s, _ in spans], [requests[i].lora_id for i in active])
+            rows = torch.tensor([e - s for s, e in spans]).cumsum(0) - 1
+            still = []
+            for i, (_, e), row in zip(active, spans, rows.tolist()):
+                if e == len(requests[i].tokens):
+                    last[i] = logits[row]
+                else:
+                    manager.add_context_chunk(requests[i].request_id)
+                    still.append(i)
+            active = still
+            if not active:
+                return torch.stack(last)
+        raise AssertionError("prefill made no progress")
+
+    def beam_search(self, manager: KVCacheManager, request: Request) -> BeamSearchResult:
+        """Serve one request by beam search over ``request.beam_width`` beams, ``max_new_tokens`` tokens each.
+
+        The beams share the prompt's blocks, computed once (chunk by chunk
+        where the ledger chunks prompts); the prompt's last block, where it is
+        not full, is each beam's own, and its positions are computed again
+        through every other beam's row. Every step feeds each beam's last token
+        through its own row of the block table. When the beams are selected
+        anew, a beam continuing another beam's hypothesis gets a copy of that
+        beam's own blocks (TensorRT-LLM reads them through a cache indirection
+        instead; the KV each beam attends to is the same).
+        """
+        pools = self._check(manager, [request])
+        if request.max_new_tokens < 1:
+            raise ValueError(f"beam_search: request {request.request_id} asks for no new tokens")
+        rid, width, vocab = request.request_id, request.beam_width, VOCAB_SIZE
+        cached = manager.add_sequence(request)
+        try:
+            last = self.prefill(manager, [request])[0]
+        except BaseException:
+            manager.remove_sequence(rid, store=False)
+            raise
+        try:
+            manager.store_context_blocks(rid)
+            self._fill_beam_tails(manager, pools, request)
+            scores, first = torch.log_softmax(last, dim=-1).topk(width)
+            beams = [[t] for t in first.tolist()]
+            copied = 0
+            for _ in range(request.max_new_tokens):   # a step per generated token; the last gives the final logits
+                manager.add_token(rid, 1)
+                pos = manager.num_tokens(rid) - 1
+                logits = self.model.forward(pools, manager.block_table([rid]), [[b[-1]] for b in beams], [pos] * width,
+                                            [request.lora_id] * width)
+                if len(beams[0]) == request.max_new_tokens:
+                    break
+                scores, flat = (scores[:, None] + torch.log_softmax(logits, dim=-1)).flatten().topk(width)
+                parents = (flat // vocab).tolist()
+                copied += self._reorder(manager, pools, request, parents)
+                beams = [beams[p] + [t] for p, t in zip(parents, (flat % vocab).tolist())]
+        finally:
+            manager.remove_sequence(rid)
+        return BeamSearchResult(rid, beams, scores.float().cpu().tolist(), logits.float().cpu().clone(), cached,
+                                copied)
+
+    def _fill_beam_tails(self, manager: KVCacheManager, pools: list[torch.Tensor], request: Request) -> None:
+        """Write the prompt's last, partly filled block's positions into every other beam's own copy of it."""
+        T = self.config.tokens_per_block
+        start, n = len(request.tokens) // T * T, len(request.tokens)
+        if request.beam_width == 1 or start == n:
+            return
+        others = request.beam_width - 1
+        self.model.forward(pools, manager.block_table([request.request_id])[1:], [request.tokens[start:]] * others,
+                           [start] * others, [request.lora_id] * others)
+
+    def _reorder(self, manager: KVCacheManager, pools: list[torch.Tensor], request: Request, parents: list[int]) -> int:
+        """Give beam ``b`` the own blocks of beam ``parents[b]``, all read before any is written; returns the
+        blocks copied."""
+        T = self.config.tokens_per_block
+        shared = len(request.tokens) // T
+        own = manager.block_table([request.request_id])[:, shared:-(-manager.num_tokens(request.request_id) // T)]
+        moved = [b for b, p in enumerate(parents) if p != b]
+        if not moved:
+            return 0
+        src = own[torch.tensor([parents[b] for b in moved], device=own.device)].flatten().long()
+        dst = own[torch.tensor(moved, device=own.device)].flatten().long()
+        for pool in pools:
+            pool[dst] = pool[src]   # the gather copies every source before the scatter writes
+        return dst.numel()
+
+    def _decode(self, manager: KVCacheManager, pools: list[torch.Tensor], requests: Sequence[Request],
                 results: list[ServeResult], last: torch.Tensor) -> None:
         """Greedy steps over every request that still wants tokens, batched into one forward each."""
         next_tok = last.argmax(dim=-1).tolist()
@@ -102,7 +221,7 @@ class ReferenceEngine:
             for rid, t in zip(ids, toks):
                 manager.add_token(rid, 1, tokens=[t])
             starts = [manager.num_tokens(rid) - 1 for rid in ids]
-            step = self.model.forward(pool, manager.block_table(ids), [[t] for t in toks], starts,
+            step = self.model.forward(pools, manager.block_table(ids), [[t] for t in toks], starts,
                                       [requests[i].lora_id for i in active])
             for i, t in zip(active, step.argmax(dim=-1).tolist()):
                 results[i].output_tokens.append(t)
@@ -124,14 +243,14 @@ class ReferenceEngine:
         for i, rid in zip(done, ids):
             manager.add_token(rid, 1, tokens=[results[i].output_tokens[-1]])
 
-    def _check(self, manager: KVCacheManager, requests: Sequence[Request]) -> torch.Tensor:
+    def _check(self, manager: KVCacheManager, requests: Sequence[Request]) -> list[torch.Tensor]:
         """Refuse a ledger whose geometry differs from the model's, and prompts outside the vocabulary."""
         mine, theirs = self.config, manager.config
-        for f in ("tokens_per_block", "num_layers", "num_kv_heads", "head_dim"):
+        for f in ("tokens_per_block", "num_layers", "kv_heads_per_layer", "head_dim"):
             if getattr(mine, f) != getattr(theirs, f):
                 raise ValueError(f"engine and manager disagree on {f}: {getattr(mine, f)} vs {getattr(theirs, f)}")
-        pool = manager.pools.primary
-        if pool is None:
+        pools = manager.pools.primary_pools
+        if not pools:
             raise ValueError("the manager keeps only the books (CacheConfig.materialize=False); "
                              "the engine needs its pools")
         for r in requests:
@@ -141,4 +260,4 @@ class ReferenceEngine:
             if max(r.tokens) >= VOCAB_SIZE:
                 raise ValueError(f"request {r.request_id}: token {max(r.tokens)} is outside the model's vocabulary "
                                  f"0..{VOCAB_SIZE - 1}")
-        return pool
+        return pools

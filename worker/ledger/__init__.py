@@ -5,7 +5,8 @@ The cache manager (manager.py) is the admission policy over the block pool
 retention.py gives blocks the priorities requests ask for, integrity.py proves
 the books balance. Only the names below are the ledger's public surface.
 """
-from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.ledger.budget import ContextBudget
+from kvledger.worker.ledger.config import CacheConfig, PoolLayout
 from kvledger.worker.ledger.manager import KVCacheManager
 from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary
 from kvledger.worker.wire.batches import StoredBlock
@@ -14,7 +15,7 @@ from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.request import DEFAULT_PRIORITY, Request, RetentionConfig, TokenRange
 
 __all__ = [
-    "Admission", "BlockHash", "BlockKey", "CacheConfig", "DEFAULT_PRIORITY", "KVCacheManager", "KvCacheStats",
-    "MmKey", "OutOfBlocksError", "PrefixReuseSummary", "Request", "RetentionConfig", "StoredBlock", "TokenRange",
-    "block_hashes",
+    "Admission", "BlockHash", "BlockKey", "CacheConfig", "ContextBudget", "DEFAULT_PRIORITY", "KVCacheManager",
+    "KvCacheStats", "MmKey", "OutOfBlocksError", "PoolLayout", "PrefixReuseSummary", "Request", "RetentionConfig",
+    "StoredBlock", "TokenRange", "block_hashes",
 ]

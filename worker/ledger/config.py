@@ -2,11 +2,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
 from kvledger.worker.device import resolve_device
 from kvledger.worker.wire.request import MAX_PRIORITY, MIN_PRIORITY
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """One tensor pool: the layers whose KV heads number ``num_kv_heads`` (VGQA keeps one pool per count)."""
+
+    num_kv_heads: int
+    layers: tuple[int, ...]
+    """Model layers the pool holds, in order; a layer's K/V sit at its index in this tuple."""
 
 
 @dataclass
@@ -19,6 +29,9 @@ class CacheConfig:
     """Transformer layers (each block holds K and V of every layer)."""
     num_kv_heads: int = 2
     """KV heads per layer."""
+    num_kv_heads_per_layer: tuple[int, ...] | None = None
+    """KV heads of each layer, one count per layer (VGQA, TensorRT-LLM's ``numKvHeadsPerLayer``); set, it replaces
+    ``num_kv_heads``, and the ledger keeps one tensor pool per distinct count (``pool_layouts``)."""
     head_dim: int = 32
     """Width of one head."""
     dtype: torch.dtype = torch.float16
@@ -49,12 +62,24 @@ class CacheConfig:
     free list; for tests and debugging)."""
     materialize: bool = True
     """Allocate the KV tensors; ``False`` keeps only the books (for simulations)."""
+    context_chunk_size: int | None = None
+    """Prompt tokens one context chunk computes (TensorRT-LLM's context chunk size): a prompt is admitted chunk by
+    chunk, its blocks allocated as each chunk is (``add_context_chunk``); ``None``: the whole prompt at once. A
+    multiple of ``tokens_per_block``, so that every chunk but a prompt's last ends on a block boundary."""
+    sink_tokens: int = 0
+    """Attention-sink tokens of a StreamingLLM model. The unused slots of their last block (the sink bubble) are
+    counted in the context budget, as TensorRT-LLM's ``mSinkBubbleLength`` is."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "num_layers", "num_kv_heads", "head_dim", "event_buffer_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {v!r}")
+        h = self.num_kv_heads_per_layer
+        if h is not None and not (type(h) is tuple and len(h) == self.num_layers
+                                  and all(type(x) is int and x > 0 for x in h)):
+            raise ValueError(f"CacheConfig.num_kv_heads_per_layer must be None or a tuple of {self.num_layers} "
+                             f"positive ints (one per layer), got {h!r}")
         for name in ("num_primary_blocks", "num_secondary_blocks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -65,6 +90,12 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be None or a non-negative int, got {v!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"CacheConfig.dtype must be a torch.dtype, got {self.dtype!r}")
+        c = self.context_chunk_size
+        if c is not None and (type(c) is not int or c <= 0 or c % self.tokens_per_block):
+            raise ValueError(f"CacheConfig.context_chunk_size must be None or a positive multiple of tokens_per_block "
+                             f"({self.tokens_per_block}), got {c!r}")
+        if type(self.sink_tokens) is not int or self.sink_tokens < 0:
+            raise ValueError(f"CacheConfig.sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
         if not MIN_PRIORITY <= self.offload_min_priority <= MAX_PRIORITY + 1:
             raise ValueError(f"CacheConfig.offload_min_priority must be in 0..101, got {self.offload_min_priority}")
         resolve_device(self.device)
@@ -72,15 +103,40 @@ class CacheConfig:
             raise ValueError("CacheConfig: the primary tier needs at least one block")
 
     @property
+    def kv_heads_per_layer(self) -> tuple[int, ...]:
+        """Every layer's KV heads: ``num_kv_heads_per_layer``, or ``num_kv_heads`` for each."""
+        h = self.num_kv_heads_per_layer
+        return h if h is not None else (self.num_kv_heads,) * self.num_layers
+
+    @property
+    def pool_layouts(self) -> tuple[PoolLayout, ...]:
+        """One pool per distinct KV head count, in the order the counts first appear among the layers."""
+        layers: dict[int, list[int]] = {}
+        for layer, h in enumerate(self.kv_heads_per_layer):
+            layers.setdefault(h, []).append(layer)
+        return tuple(PoolLayout(h, tuple(ls)) for h, ls in layers.items())
+
+    @property
+    def block_shapes(self) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Shape of one block in each pool: ``[pool's layers, K|V, tokens, kv_heads, head_dim]``."""
+        return tuple((len(p.layers), 2, self.tokens_per_block, p.num_kv_heads, self.head_dim)
+                     for p in self.pool_layouts)
+
+    @property
     def bytes_per_block(self) -> int:
-        """K and V of every layer for one block."""
+        """K and V of every layer for one block, summed over the pools (TensorRT-LLM's
+        ``kvFactor * sum(numKvHeads) * sizePerHead`` per token)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.tokens_per_block * self.num_kv_heads * self.head_dim * elem
+        return sum(prod(shape) for shape in self.block_shapes) * elem
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block in a pool: ``[layers, K|V, tokens, kv_heads, head_dim]``."""
-        return (self.num_layers, 2, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+        """Shape of one block of the one pool a config with a single KV head count has."""
+        shapes = self.block_shapes
+        if len(shapes) != 1:
+            raise ValueError(f"CacheConfig with KV heads {self.kv_heads_per_layer} has {len(shapes)} pools; "
+                             "see block_shapes")
+        return shapes[0]
 
     def primary_blocks(self) -> int:
         return self.num_primary_blocks if self.primary_bytes is None else self.primary_bytes // self.bytes_per_block

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
 from kvledger.worker.ledger.block_pool import BlockPool
 from kvledger.worker.ledger.eviction import level_of
+from kvledger.worker.ledger.sequence import Sequence
 
 
 def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
@@ -78,6 +79,25 @@ def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
             stack.append(child)
     if nodes != tree.num_nodes:
         raise AssertionError(f"prefix tree: {nodes} nodes reachable, {tree.num_nodes} counted")
+
+
+def check_sequences(seqs: Iterable[Sequence], tokens_per_block: int) -> None:
+    """Raise ``AssertionError`` naming the first running sequence whose blocks do not fit its tokens.
+
+    Every admitted token has a block (a chunk cut by ``fit_token_budget``
+    keeps more); once the whole prompt is admitted, every beam owns as many
+    blocks past the shared context as beam 0 does.
+    """
+    for seq in seqs:
+        rid, prompt = seq.request.request_id, len(seq.request.tokens)
+        if len(seq.blocks) < -(-seq.num_tokens // tokens_per_block) or not 0 <= seq.chunk_start <= seq.num_tokens:
+            raise AssertionError(f"request {rid}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens, chunk "
+                                 f"from {seq.chunk_start}")
+        own = len(seq.blocks) - prompt // tokens_per_block
+        if len(seq.beams) != seq.request.beam_width - 1 or (seq.decoding or seq.num_tokens == prompt) and any(
+                len(b) != own for b in seq.beams):
+            raise AssertionError(f"request {rid}: beams own {[len(b) for b in seq.beams]} blocks, beam 0 {own} "
+                                 "past the shared context")
 
 
 def _walk_free_lists(pool: BlockPool) -> None:

@@ -48,26 +48,48 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Iterable[tuple[int,
 
 
 class TieredPools:
-    """Primary pool on the rank's device, secondary pool in host memory (pinned where CUDA exists)."""
+    """Primary pools on the rank's device, secondary pools in host memory (pinned where CUDA exists).
+
+    One pool per distinct KV head count (``CacheConfig.pool_layouts``; one
+    for most models), all indexed by the same slots: a block's slot names its
+    K/V in every pool, and a block copy moves it in each.
+    """
 
     def __init__(self, config: CacheConfig, num_primary: int, num_secondary: int) -> None:
         self.device = resolve_device(config.device)
-        self.primary: torch.Tensor | None = None
-        self.secondary: torch.Tensor | None = None
+        self.layouts = config.pool_layouts
+        self.primary_pools: list[torch.Tensor] = []
+        self.secondary_pools: list[torch.Tensor] = []
         if config.materialize:
-            shape = config.block_shape
-            self.primary = torch.zeros((num_primary, *shape), dtype=config.dtype, device=self.device)
-            self.secondary = torch.zeros((num_secondary, *shape), dtype=config.dtype, device="cpu",
-                                         pin_memory=host_pin_memory() and num_secondary > 0)
+            pin = host_pin_memory() and num_secondary > 0
+            for shape in config.block_shapes:
+                self.primary_pools.append(torch.zeros((num_primary, *shape), dtype=config.dtype, device=self.device))
+                self.secondary_pools.append(torch.zeros((num_secondary, *shape), dtype=config.dtype, device="cpu",
+                                                        pin_memory=pin))
         self._pending: list[CopyOp] = []
         self.copies_issued = 0
 
-    def tier(self, tier: int) -> torch.Tensor | None:
-        return self.primary if tier == PRIMARY else self.secondary
+    @property
+    def primary(self) -> torch.Tensor | None:
+        """The primary pool where there is one (every layer with the same KV heads); ``None`` without tensors."""
+        return self._single(self.primary_pools)
+
+    @property
+    def secondary(self) -> torch.Tensor | None:
+        return self._single(self.secondary_pools)
+
+    def _single(self, pools: list[torch.Tensor]) -> torch.Tensor | None:
+        if len(pools) > 1:
+            raise ValueError(f"this ledger keeps {len(pools)} pools, one per KV head count "
+                             f"{[p.num_kv_heads for p in self.layouts]}; use primary_pools / secondary_pools")
+        return pools[0] if pools else None
+
+    def tier(self, tier: int) -> list[torch.Tensor]:
+        return self.primary_pools if tier == PRIMARY else self.secondary_pools
 
     def plan(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
         """Queue one block copy; queued copies run in order at ``flush``."""
-        if self.primary is not None:
+        if self.primary_pools:
             self._pending.append((src_tier, src_slot, dst_tier, dst_slot))
 
     def flush(self) -> None:
@@ -93,19 +115,23 @@ class TieredPools:
 
     def _run(self, group: list[CopyOp]) -> None:
         src_tier, _, dst_tier, _ = group[0]
-        self.copies_issued += copy_blocks(self.tier(src_tier), self.tier(dst_tier), [(op[1], op[3]) for op in group])
+        pairs = [(op[1], op[3]) for op in group]
+        for src, dst in zip(self.tier(src_tier), self.tier(dst_tier)):
+            self.copies_issued += copy_blocks(src, dst, pairs)
 
     def read_blocks(self, slots: Sequence[int]) -> torch.Tensor:
-        """Primary blocks gathered into one contiguous tensor (for sending)."""
-        assert self.primary is not None, "read_blocks on a ledger without tensors"
-        out = torch.empty((len(slots), *self.primary.shape[1:]), dtype=self.primary.dtype, device=self.primary.device)
-        copy_blocks(self.primary, out, [(s, i) for i, s in enumerate(slots)])
+        """Primary blocks gathered into one contiguous tensor (for sending; one pool only)."""
+        primary = self.primary
+        assert primary is not None, "read_blocks on a ledger without tensors"
+        out = torch.empty((len(slots), *primary.shape[1:]), dtype=primary.dtype, device=primary.device)
+        copy_blocks(primary, out, [(s, i) for i, s in enumerate(slots)])
         return out
 
     def write_blocks(self, slots: Sequence[int], data: torch.Tensor) -> None:
-        """Scatter a contiguous tensor of blocks into primary slots (after a receive)."""
-        assert self.primary is not None, "write_blocks on a ledger without tensors"
-        copy_blocks(data, self.primary, [(i, s) for i, s in enumerate(slots)])
+        """Scatter a contiguous tensor of blocks into primary slots (after a receive; one pool only)."""
+        primary = self.primary
+        assert primary is not None, "write_blocks on a ledger without tensors"
+        copy_blocks(data, primary, [(i, s) for i, s in enumerate(slots)])
 
 
 __all__ = ["CopyOp", "TieredPools", "copy_blocks", "merge_runs", "PRIMARY", "SECONDARY"]

@@ -22,8 +22,9 @@ import torch
 
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY, Block
 from kvledger.worker.ledger.block_pool import BlockPool
+from kvledger.worker.ledger.budget import ContextBudget, blocks_to_completion, context_budget, sink_bubble, step_blocks
 from kvledger.worker.ledger.config import CacheConfig
-from kvledger.worker.ledger.integrity import check_integrity
+from kvledger.worker.ledger.integrity import check_integrity, check_sequences
 from kvledger.worker.ledger.prefix_tree import TreeNode
 from kvledger.worker.ledger.retention import Retention
 from kvledger.worker.ledger.sequence import Sequence
@@ -55,7 +56,11 @@ class _Plan:
     request: Request
     match: _Match
     new_blocks: int
-    """Blocks to allocate, the copy destination of a partial match included."""
+    """Blocks to allocate, the copy destination of a partial match and the other beams' tails included."""
+    end: int
+    """End of the first context chunk: the whole prompt unless chunked."""
+    tails: int
+    """Own last context blocks of beams 1.. (a beam search whose first chunk ends the prompt mid-block)."""
 
 
 def _checked(method: Callable[..., R]) -> Callable[..., R]:
@@ -123,6 +128,7 @@ class KVCacheManager:
     def _plan(self, requests: Seq[Request]) -> list[_Plan]:
         """Decide every request's reuse without changing anything (a dry run of the claims)."""
         T = self.tokens_per_block
+        chunk = self.config.context_chunk_size
         claimed: set[int] = set()
         taken: set[int] = set()
         plans = []
@@ -134,9 +140,15 @@ class KVCacheManager:
             claimed.update(b.block_id for b in m.full)
             if m.partial is not None:
                 claimed.add(m.partial.block_id)
-            total = -(-len(r.tokens) // T)
-            plans.append(_Plan(r, m, total - len(m.full) - (1 if m.in_place else 0)))
+            end = len(r.tokens) if chunk is None else min(len(r.tokens), len(m.full) * T + m.partial_len + chunk)
+            tails = self._tails(r, end) if r.beam_width > 1 else 0
+            plans.append(_Plan(r, m, -(-end // T) - len(m.full) - (1 if m.in_place else 0) + tails, end, tails))
         return plans
+
+    def _tails(self, r: Request, end: int) -> int:
+        """Blocks beams 1.. need of their own when a context chunk reaches ``end``: the prompt's last block, where
+        the prompt ends mid-block (TensorRT-LLM shares it among the beams only when the prompt fills it)."""
+        return r.beam_width - 1 if end == len(r.tokens) and end % self.tokens_per_block else 0
 
     def _match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
                extra_ids: Seq[int] | None, taken: set[int] = frozenset()) -> _Match:
@@ -223,20 +235,18 @@ class KVCacheManager:
                     dst.ref_count = 1
                     blocks.append(dst)
                     copied = 1
-            fresh = p.new_blocks - copied
-            for _ in range(fresh):
-                b = pool.take_free(count_alloc=True)
-                b.ref_count = 1
-                blocks.append(b)
+            blocks += self._alloc(p.new_blocks - copied - p.tails)
             n_reused = len(m.full) + (1 if m.partial is not None else 0)
             self._reused += n_reused
-            self._missed += len(blocks) - n_reused
+            self._missed += -(-len(r.tokens) // T) - n_reused   # the whole prompt's, chunked or not
             prepop = len(m.full) * T + m.partial_len
             adm = Admission(prepopulated_tokens=prepop, reused_blocks=len(m.full), partial_tokens=m.partial_len,
                             copied_blocks=copied, onboarded_blocks=n_onboarded, allocated_blocks=p.new_blocks)
-            seq = Sequence(request=r, blocks=blocks, num_tokens=len(r.tokens), admission=adm, tokens=list(r.tokens),
+            seq = Sequence(request=r, blocks=blocks, num_tokens=p.end, admission=adm, tokens=list(r.tokens),
                            keys=m.keys[:len(r.tokens) // T] if m.keys else [],
-                           hashes=[b.block_hash for b in m.full], stored=len(m.full))
+                           hashes=[b.block_hash for b in m.full], stored=len(m.full), chunk_start=prepop)
+            if r.beam_width > 1:
+                seq.beams = tuple(self._alloc(1 if p.tails else 0) for _ in range(r.beam_width - 1))
             self._retention.apply(seq, 0)
             self._seqs[r.request_id] = seq
             seqs.append(seq)
@@ -244,6 +254,105 @@ class KVCacheManager:
             pool.unref(b)
         self.pools.flush()
         return seqs
+
+    def _alloc(self, n: int) -> list[Block]:
+        """``n`` clean primary blocks held once (capacity was checked)."""
+        take = self._pool.take_free
+        out = [take(count_alloc=True) for _ in range(n)]
+        for b in out:
+            b.ref_count = 1
+        return out
+
+    # ------------------------------------------------------------------ chunked prefill
+
+    @_checked
+    def add_context_chunk(self, request_id: int, num_tokens: int | None = None) -> tuple[int, int]:
+        """The current context chunk is computed: make its full blocks reusable and admit the next chunk.
+
+        The next chunk computes ``num_tokens`` prompt tokens (default
+        ``CacheConfig.context_chunk_size``; the rest of the prompt when that is
+        ``None``), fewer at the prompt's end; its blocks are allocated now.
+        Returns its prompt positions ``(start, end)``. Raises ``ValueError`` when
+        the whole prompt is admitted and ``OutOfBlocksError`` when the chunk's
+        blocks do not fit, changing nothing either way.
+        """
+        seq = self._running(request_id)
+        r = seq.request
+        prompt = len(r.tokens)
+        if seq.decoding or seq.num_tokens >= prompt:
+            raise ValueError(f"add_context_chunk: request {request_id} has no context left to admit (its "
+                             f"{prompt}-token prompt is admitted)")
+        size = (self.config.context_chunk_size or prompt) if num_tokens is None else num_tokens
+        if type(size) is not int or size < 1:
+            raise ValueError(f"add_context_chunk: num_tokens must be None or an int >= 1, got {num_tokens!r}")
+        start, end = seq.num_tokens, min(prompt, seq.num_tokens + size)
+        need, tails = self._chunk_blocks(seq, end)
+        pool = self._pool
+        if need + tails > pool.num_free(PRIMARY):
+            raise OutOfBlocksError(need + tails, pool.num_free(PRIMARY), f"admitting a context chunk of request "
+                                                                          f"{request_id}")
+        self._store(seq, start // self.tokens_per_block)
+        first_new = len(seq.blocks)
+        seq.blocks += self._alloc(need)
+        for own in seq.beams[:tails]:
+            own += self._alloc(1)
+        seq.chunk_start, seq.num_tokens = start, end
+        self._retention.apply(seq, first_new)
+        self.pools.flush()
+        return start, end
+
+    def _chunk_blocks(self, seq: Sequence, end: int) -> tuple[int, int]:
+        """Blocks beam 0 and the other beams' tails still need for a context chunk ending at ``end``; blocks a
+        trimmed chunk left allocated count as had."""
+        need = max(0, -(-end // self.tokens_per_block) - len(seq.blocks))
+        return need, 0 if not seq.beams or seq.beams[0] else self._tails(seq.request, end)
+
+    def context_chunk(self, request_id: int) -> tuple[int, int]:
+        """Prompt positions ``(start, end)`` the current context chunk computes (``end == start`` never)."""
+        seq = self._running(request_id)
+        if seq.decoding:
+            raise ValueError(f"context_chunk: request {request_id} is decoding; its context is computed")
+        return seq.chunk_start, seq.num_tokens
+
+    @_checked
+    def fit_token_budget(self, request_ids: Seq[int], max_num_tokens: int) -> list[int]:
+        """Shrink this step's context chunks, last request first, until the step computes ``max_num_tokens`` tokens
+        at most; returns what each request computes, in order.
+
+        A scheduler prices a batch with the estimated reuse
+        (``get_context_budget(...).estimated_reusable_tokens``); the admission
+        may reuse less (a block evicted or taken in between), and the step
+        would then compute more tokens than the batch may hold (TensorRT-LLM
+        issue 13318, the overrun its ``fit_token_budget`` prevents). After
+        allocation no request leaves the batch, but a context chunk can end
+        earlier: its cut tokens go to the next chunk (``add_context_chunk``)
+        and its blocks stay allocated, so the gap is closed by computing later,
+        not by rolling the allocation back. A decoding request computes
+        ``1 + num_draft_tokens`` and is never cut; a chunk keeps one token at
+        least. Raises ``ValueError`` (changing nothing) when even that does not fit.
+        """
+        if type(max_num_tokens) is not int or max_num_tokens < 0:
+            raise ValueError(f"fit_token_budget: max_num_tokens must be an int >= 0, got {max_num_tokens!r}")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"fit_token_budget: request ids {list(request_ids)} repeat")
+        seqs = [self._running(rid) for rid in request_ids]
+        counts = [1 + s.request.num_draft_tokens if s.decoding else s.num_tokens - s.chunk_start for s in seqs]
+        over = sum(counts) - max_num_tokens
+        cuts: list[tuple[Sequence, int]] = []
+        for i in reversed(range(len(seqs))):
+            if over <= 0:
+                break
+            if not seqs[i].decoding and counts[i] > 1:
+                cut = min(over, counts[i] - 1)
+                cuts.append((seqs[i], cut))
+                counts[i] -= cut
+                over -= cut
+        if over > 0:
+            raise ValueError(f"fit_token_budget: requests {list(request_ids)} compute {sum(counts)} tokens at least "
+                             f"(one per context chunk, 1 + drafts per decode), over max_num_tokens={max_num_tokens}")
+        for seq, cut in cuts:
+            seq.num_tokens -= cut
+        return counts
 
     # ------------------------------------------------------------------ growth and release
 
@@ -261,19 +370,27 @@ class KVCacheManager:
         seq = self._running(request_id)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"add_token: n must be an int >= 1, got {n!r}")
+        if not seq.decoding and seq.num_tokens < len(seq.request.tokens):
+            raise ValueError(f"add_token: request {request_id} has admitted {seq.num_tokens} of its "
+                             f"{len(seq.request.tokens)} prompt tokens; admit the rest with add_context_chunk")
         if tokens is not None:
+            if seq.beams:
+                raise ValueError(f"add_token: request {request_id} searches {seq.request.beam_width} beams, whose "
+                                 "decode blocks are never stored; pass no token ids")
             validate_prompt(tokens, None, None, (), None)
             if len(tokens) != n:
                 raise ValueError(f"add_token: {len(tokens)} token ids given for n={n}")
         need = -(-(seq.num_tokens + n) // self.tokens_per_block) - len(seq.blocks)
         pool = self._pool
-        if need > pool.num_free(PRIMARY):
-            raise OutOfBlocksError(need, pool.num_free(PRIMARY), f"growing request {request_id}")
+        if need * seq.request.beam_width > pool.num_free(PRIMARY):   # every beam grows alike
+            raise OutOfBlocksError(need * seq.request.beam_width, pool.num_free(PRIMARY),
+                                   f"growing request {request_id}")
         first_new = len(seq.blocks)
-        for _ in range(need):
-            b = pool.take_free(count_alloc=True)
-            b.ref_count = 1
-            seq.blocks.append(b)
+        if need > 0:
+            seq.blocks += self._alloc(need)
+            for own in seq.beams:
+                own += self._alloc(need)
+        seq.decoding = True
         if tokens is None or seq.opaque or seq.request.extra_ids is not None:
             seq.opaque = True
         else:
@@ -304,13 +421,18 @@ class KVCacheManager:
         assert seq.stored <= full, f"request {request_id}: a stored block would be rewound"
         del seq.keys[full:], seq.hashes[full:]
         dropped, seq.blocks[keep:] = seq.blocks[keep:], []
+        own_keep = keep - len(seq.request.tokens) // self.tokens_per_block
+        for own in seq.beams:
+            dropped += own[own_keep:]
+            del own[own_keep:]
         self._pool.release(dropped)
 
     @_checked
     def store_context_blocks(self, request_id: int) -> None:
-        """Make the prompt's full blocks reusable (after prefill wrote them)."""
+        """Make the full blocks of the prompt admitted so far reusable (after prefill, or its current chunk,
+        wrote them); of a beam search, the blocks its beams share."""
         seq = self._running(request_id)
-        self._store(seq, len(seq.request.tokens) // self.tokens_per_block)
+        self._store(seq, min(len(seq.request.tokens), seq.num_tokens) // self.tokens_per_block)
 
     @_checked
     def commit_and_get_block_hashes(self, request_id: int) -> list[int]:
@@ -318,7 +440,7 @@ class KVCacheManager:
         token's KV is) and return the hashes of all its full blocks, reused and newly stored, in order."""
         seq = self._running(request_id)
         T = self.tokens_per_block
-        count = max(len(seq.request.tokens) // T, seq.storable_blocks(T))
+        count = max(min(len(seq.request.tokens), seq.num_tokens) // T, seq.storable_blocks(T))
         self._store(seq, count)
         seq.ensure_keys(count, T)
         return list(seq.hashes[:count])
@@ -329,16 +451,19 @@ class KVCacheManager:
 
         With ``pin=True`` the blocks stay held (for example while a transfer reads
         them) until ``unpin_sequence``; returns the ids of the pinned blocks.
-        ``store=False`` aborts: blocks whose KV was never written must not become reusable.
+        ``store=False`` aborts: blocks whose KV was never written (a context chunk
+        not computed) must not become reusable. Of a beam search nothing more is
+        stored (TensorRT-LLM stores at release only for one beam).
         """
         seq = self._running(request_id)
-        if store:
+        if store and not seq.beams:
             self._store(seq, seq.storable_blocks(self.tokens_per_block))
         del self._seqs[request_id]
+        blocks = seq.blocks if not seq.beams else [b for own in seq.holders() for b in own]
         if pin:
-            self._pinned[request_id] = seq.blocks
-            return [b.block_id for b in seq.blocks]
-        self._pool.release(seq.blocks)
+            self._pinned[request_id] = blocks
+            return [b.block_id for b in blocks]
+        self._pool.release(blocks)
         return []
 
     @_checked
@@ -451,8 +576,14 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ queries
 
-    def get_block_ids(self, request_id: int) -> list[int]:
-        return [b.block_id for b in self._running(request_id).blocks]
+    def get_block_ids(self, request_id: int, beam: int = 0) -> list[int]:
+        """Block ids of one beam of a running request, in sequence order."""
+        seq = self._running(request_id)
+        if beam == 0:
+            return [b.block_id for b in seq.blocks]
+        if type(beam) is not int or not 0 < beam < seq.request.beam_width:
+            raise ValueError(f"get_block_ids: beam must be an int in 0..{seq.request.beam_width - 1}, got {beam!r}")
+        return [b.block_id for b in seq.beam_rows(self.tokens_per_block)[beam]]
 
     def admission(self, request_id: int) -> Admission:
         return self._running(request_id).admission
@@ -461,8 +592,15 @@ class KVCacheManager:
         return self._running(request_id).num_tokens
 
     def block_table(self, request_ids: Iterable[int]) -> torch.Tensor:
-        """Primary pool slots per request, ``int32 [batch, max_blocks]``, -1 where a row is shorter."""
-        rows = [[b.slot for b in self._running(rid).blocks] for rid in request_ids]
+        """Primary pool slots, ``int32 [rows, max_blocks]``, -1 where a row is shorter: a row per request, or per
+        beam of a beam search (``beam_width`` consecutive rows, beam 0 first)."""
+        rows = []
+        for rid in request_ids:
+            seq = self._running(rid)
+            if seq.beams:
+                rows += [[b.slot for b in row] for row in seq.beam_rows(self.tokens_per_block)]
+            else:
+                rows.append([b.slot for b in seq.blocks])
         width = max((len(r) for r in rows), default=0)
         table = torch.full((len(rows), width), -1, dtype=torch.int32)
         for i, r in enumerate(rows):
@@ -487,21 +625,42 @@ class KVCacheManager:
         return self.analyze_prefix_reuse(tokens, lora_id, cache_salt, mm_keys, extra_ids).reusable_blocks_all \
             * self.tokens_per_block
 
-    def get_needed_blocks_one_step(self, request_id: int) -> int:
-        """Blocks the next decode step of a running request must allocate: for the token it samples and its
-        ``num_draft_tokens`` drafts."""
+    def get_needed_blocks_one_step(self, request_id: int, two_steps_lookahead: bool = False) -> int:
+        """Blocks the next step of a running request must allocate, every beam's: in its context, for the next
+        chunk (``add_context_chunk`` with the default size); decoding, for the token it samples and its
+        ``num_draft_tokens`` drafts (two such steps with ``two_steps_lookahead``, TensorRT-LLM's
+        ``twoStepsLookAhead``)."""
         seq = self._running(request_id)
-        step = 1 + seq.request.num_draft_tokens
-        return max(0, -(-(seq.num_tokens + step) // self.tokens_per_block) - len(seq.blocks))
+        r = seq.request
+        prompt = len(r.tokens)
+        if not seq.decoding and seq.num_tokens < prompt:
+            return sum(self._chunk_blocks(seq, min(prompt, seq.num_tokens + (self.config.context_chunk_size
+                                                                             or prompt))))
+        return step_blocks(seq.num_tokens, len(seq.blocks), r.num_draft_tokens, r.beam_width, self.tokens_per_block,
+                           two_steps_lookahead)
+
+    def get_context_budget(self, request: Request) -> ContextBudget:
+        """What admitting ``request``'s context costs, as TensorRT-LLM's ``getNeededBlocksOneStep`` prices a
+        context: ``prompt + min(drafts, max_new_tokens)`` tokens (one full-attention window) plus the sink bubble,
+        the tail per beam, less the matched blocks running requests hold; and the prompt tokens the prefix tree is
+        expected to supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
+        request.validate()
+        T = self.tokens_per_block
+        n = len(request.tokens)
+        reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
+                                          request.extra_ids) if self.config.enable_block_reuse else None
+        return context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width, T,
+                              self.config.context_chunk_size or n, None, sink_bubble(self.config.sink_tokens, T), reuse)
 
     def get_remaining_blocks_to_completion(self, request: Request) -> int:
         """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded), its last
-        step's draft tokens counted."""
+        step's draft tokens counted; a beam search's prompt blocks once, every later block per beam."""
         request.validate()
-        total = -(-(len(request.tokens) + request.max_new_tokens + request.num_draft_tokens) // self.tokens_per_block)
+        total = blocks_to_completion(len(request.tokens), request.max_new_tokens, request.num_draft_tokens,
+                                     request.beam_width, self.tokens_per_block)
         seq = self._seqs.get(request.request_id)
         if seq is not None:
-            return max(0, total - len(seq.blocks))
+            return max(0, total - sum(len(h) for h in seq.holders()))
         summary = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt,
                                             request.mm_keys, request.extra_ids)
         return total - summary.reusable_blocks_allocated
@@ -511,7 +670,7 @@ class KVCacheManager:
     @_checked
     def start_scheduling(self) -> None:
         """Open a scheduling round: tentative admissions and releases are counted apart from the real books."""
-        for holder in (*(seq.blocks for seq in self._seqs.values()), *self._pinned.values()):
+        for holder in self._holders():
             for b in holder:
                 b.sched_ref_count = b.ref_count
         self._sched_free = self._pool.num_free(PRIMARY)
@@ -543,10 +702,11 @@ class KVCacheManager:
     @_checked
     def scheduling_remove_sequence(self, request_id: int) -> None:
         """Count the blocks that pausing ``request_id`` would free in this round."""
-        for b in self._running(request_id).blocks:
-            b.sched_ref_count -= 1
-            if b.sched_ref_count == 0:
-                self._sched_free += 1
+        for holder in self._running(request_id).holders():
+            for b in holder:
+                b.sched_ref_count -= 1
+                if b.sched_ref_count == 0:
+                    self._sched_free += 1
 
     @property
     def scheduling_num_free_blocks(self) -> int:
@@ -591,4 +751,9 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Prove the books balance; raises ``AssertionError`` naming the first broken invariant."""
-        check_integrity(self._pool, (*(s.blocks for s in self._seqs.values()), *self._pinned.values()))
+        check_integrity(self._pool, self._holders())
+        check_sequences(self._seqs.values(), self.tokens_per_block)
+
+    def _holders(self) -> list[list[Block]]:
+        """Every block list that holds references: running sequences' (every beam's own) and pins."""
+        return [*(h for s in self._seqs.values() for h in s.holders()), *self._pinned.values()]

@@ -23,6 +23,22 @@ class Sequence:
     hashes: list[BlockHash] = field(default_factory=list)
     stored: int = 0
     """Leading blocks known to sit in the prefix tree as themselves (held, so they stay there)."""
+    chunk_start: int = 0
+    """First prompt position of the current context chunk, which ends at ``num_tokens``."""
+    decoding: bool = False
+    """The first decode step was taken: no context chunk is left."""
+    beams: tuple[list[Block], ...] = ()
+    """Own blocks of beams 1.. of a beam search (``blocks`` is beam 0's row); each beam's row is
+    ``blocks[:len(prompt) // tokens_per_block]`` (shared) followed by its own blocks."""
+
+    def beam_rows(self, tokens_per_block: int) -> list[list[Block]]:
+        """Every beam's blocks in order, beam 0 first."""
+        shared = self.blocks[:len(self.request.tokens) // tokens_per_block]
+        return [self.blocks, *(shared + own for own in self.beams)]
+
+    def holders(self) -> tuple[list[Block], ...]:
+        """The block lists this sequence holds a reference through, one per appearance."""
+        return (self.blocks, *self.beams)
 
     def storable_blocks(self, tokens_per_block: int) -> int:
         """Full blocks whose every token id is known and whose every token's KV is written.

@@ -88,6 +88,9 @@ class Request:
     num_draft_tokens: int = 0
     """Speculative tokens each decode step proposes besides the one it samples: a step adds ``1 + num_draft_tokens``
     tokens, and the budgets count them (TensorRT-LLM's draft tokens); the rejected ones are rewound."""
+    beam_width: int = 1
+    """Beams of a beam search: they share the prompt's full blocks (its last block too when the prompt ends on a
+    block boundary) and each holds its own blocks past them; block budgets count every beam."""
 
     def validate(self) -> None:
         """Raise naming the first bad field; the ledger calls this before touching anything."""
@@ -101,5 +104,7 @@ class Request:
         if type(self.num_draft_tokens) is not int or self.num_draft_tokens < 0:
             raise ValueError(f"request {self.request_id}: num_draft_tokens must be an int >= 0, "
                              f"got {self.num_draft_tokens!r}")
+        if type(self.beam_width) is not int or self.beam_width < 1:
+            raise ValueError(f"request {self.request_id}: beam_width must be an int >= 1, got {self.beam_width!r}")
         if self.retention is not None and not isinstance(self.retention, RetentionConfig):
             raise TypeError(f"request {self.request_id}: retention must be a RetentionConfig, got {type(self.retention).__name__}")

@@ -97,6 +97,7 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
                 if (config_type := policy_config_type(name)) is not None}
     http = add_dataclass_flags(p, RouterActorConfig(), title="router HTTP API",
                                exclude=("router", "transport_faults"),   # faults: set from the config, for tests
+                               rename={"max_restarts": "router-max-restarts"},
                                converters={"vllm_events": Converter(_vllm_endpoint, metavar="TCP[,REPLAY]")})
 
     def policy_options(args: argparse.Namespace, chosen: str) -> dict[str, object]:

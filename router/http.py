@@ -45,13 +45,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvledger.router.openai_types import (ChatBody, CompletionBody, ProbeBody, RouteBody, completion_answer, sse, usage,
-                                          whole_as_stream)
+from kvledger.router.openai_types import (ChatBody, CompletionBody, ProbeBody, RouteBody, completion_answer,
+                                          make_choice, sse, usage, whole_as_stream)
 from kvledger.router.policies import NoLiveRankError
 from kvledger.router.service import (OWN_MODEL, CompletionResult, EngineRefusedError, OverloadedError, RouterService,
                                      UnknownModelError)
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
-from kvledger.worker.engine.tokenizer import decode
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +277,8 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
 
     def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int],
                  chat: bool) -> Response:
-        if model == OWN_MODEL:
-            body.check_greedy(model)
+        own = model == OWN_MODEL
+        samplings = [body.own_sampling(model, i) for i in range(body.n)] if own else []
         fields = body.sampling()
         if model != OWN_MODEL:
             fields["n"] = body.n
@@ -290,14 +289,14 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         if body.stream and model != OWN_MODEL:
             return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
                                      media_type="text/event-stream")
-        results = [service.complete(tokens, priority=body.priority, **args)
-                   for _ in range(body.n if model == OWN_MODEL else 1)]
+        results = ([service.complete(tokens, priority=body.priority, sampling=sp, **args) for sp in samplings]
+                   if own else [service.complete(tokens, priority=body.priority, **args)])
         first = results[0]
         if first.engine_answer is not None:
             answer = first.engine_answer
         else:
-            answer = completion_answer(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", model,
-                                       [decode(r.output_tokens) for r in results],
+            choices = [make_choice(r.output_tokens, r.logprobs, r.top_logprobs, body.stops(), chat) for r in results]
+            answer = completion_answer(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", model, choices,
                                        usage(first.prompt_tokens, sum(len(r.output_tokens) for r in results),
                                              first.cached_tokens), chat)
         answer = {**answer, "kvledger": _kvledger_block(first)}

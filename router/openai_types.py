@@ -2,20 +2,26 @@
 
 Bodies are pydantic models: a field of the wrong type or out of range is a 400
 naming it (``router.http``), an unknown field is ignored, as vLLM ignores it.
-The sampling parameters go to a vLLM server as the client sent them; the
-reference engine decodes greedily, so for kvledger's own ranks a parameter
-that would change greedy output is refused by name (``check_greedy``) rather
-than silently dropped. ``n`` choices are served as ``n`` requests (the later
-ones reuse the first one's cached prompt).
+The sampling parameters go to a vLLM server as the client sent them; for
+kvledger's own ranks they become the reference engine's ``Sampling``
+(temperature, top-p, top-k, seed, log-probabilities; greedy at temperature 0),
+stop strings cut the text here, and a parameter the engine cannot honour (the
+penalties) is refused by name rather than silently dropped. ``n`` choices are
+served as ``n`` requests (the later ones reuse the first one's cached prompt),
+choice ``i`` seeded ``seed + i``.
 """
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+from kvledger.worker.engine.tokenizer import decode
+from kvledger.worker.wire.request import Sampling
 
 MAX_TOKENS = 4096
 """The most tokens one request may ask for."""
@@ -53,13 +59,13 @@ class _Sampled(_Body):
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
     ignore_eos: StrictBool | None = None
     """vLLM's extension: generate ``max_tokens`` even past the end-of-sequence token (the reference engine
     always does)."""
@@ -80,23 +86,32 @@ class _Sampled(_Body):
 
     def sampling(self) -> dict:
         """The sampling parameters given, as a vLLM server is sent them."""
-        return {k: v for k in SAMPLING if (v := getattr(self, k)) is not None}
+        return {k: v for k in SAMPLING if (v := getattr(self, k, None)) is not None}
 
-    def check_greedy(self, model: str) -> None:
-        """Refuse, by name, a parameter that would change greedy decoding (the reference engine's)."""
-        for name, value in self.sampling().items():
-            if name in ("seed", "ignore_eos") or value in GREEDY.get(name, ()):
-                continue
-            raise ParamError(name, f"{name}={value!r}: the {model} ranks decode greedily and cannot honour it "
-                                   "(vLLM servers take every sampling parameter)")
+    def own_sampling(self, model: str, choice: int) -> Sampling:
+        """How the reference engine samples choice ``choice`` (seeded ``seed + choice``, so the ``n`` choices
+        differ but repeat); a parameter it cannot honour is refused by name."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0):
+                raise ParamError(name, f"{name}={value!r}: the {model} ranks apply no penalties (vLLM servers "
+                                       "take every sampling parameter)")
+        return Sampling(self.temperature or 0.0, 1.0 if self.top_p is None else self.top_p,
+                        max(self.top_k or 0, 0), None if self.seed is None else self.seed + choice,
+                        self.top_logprob_count)
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        """How many of the most likely tokens' log-probabilities to return per token (``None``: none at all)."""
+        return None
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-#: Values of the sampling parameters that leave greedy decoding as it is.
-GREEDY: dict[str, tuple[object, ...]] = {"temperature": (0,), "top_p": (1,), "top_k": (-1, 0),
-                                         "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False,)}
 #: The sampling parameters a vLLM server gets as the client sent them (``n`` and the token limits apart).
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos",
-            "logprobs")
+            "logprobs", "top_logprobs")
 
 
 class CompletionBody(_Sampled):
@@ -105,6 +120,10 @@ class CompletionBody(_Sampled):
     prompt: Prompt
     """Text (tokenized the way the model's engines tokenize, ``router.prompt_tokenizer``) or token ids."""
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class Message(_Body):
@@ -117,6 +136,13 @@ class ChatBody(_Sampled):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict]:
         return [m.model_dump() for m in self.messages]
@@ -150,16 +176,58 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_answer(request_id: str, model: str, texts: list[str], usage_: dict, chat: bool) -> dict:
-    """A whole answer of ``n = len(texts)`` choices, in the completions or the chat shape."""
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One generated choice as the reference ranks made it, the stop strings applied."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict | None
+
+
+def make_choice(tokens: list[int], logprobs: list[float] | None, top: list[list[tuple[int, float]]] | None,
+                stops: list[str], chat: bool) -> Choice:
+    """The choice's text, cut before the first stop string (``finish_reason`` ``stop``; else ``length``), and its
+    log-probabilities in the completions or the chat shape, for the tokens that made the text."""
+    text, reason = decode(tokens), "length"
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    if cut >= 0:
+        text, reason = text[:cut], "stop"
+        while tokens and len(decode(tokens)) > cut:   # bounded: one token fewer each time
+            tokens = tokens[:-1]
+    if logprobs is None:
+        return Choice(text, reason, None)
+    n = len(tokens)
+    pieces = [decode([t]) for t in tokens]
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                    "finish_reason": "length"} for i, t in enumerate(texts)]
+        content = [{"token": p, "logprob": lp, "bytes": list(p.encode()),
+                    "top_logprobs": [{"token": decode([t]), "logprob": v, "bytes": list(decode([t]).encode())}
+                                     for t, v in (top[i] if top else [])]}
+                   for i, (p, lp) in enumerate(zip(pieces, logprobs[:n]))]
+        return Choice(text, reason, {"content": content})
+    offsets = [len(decode(tokens[:i])) for i in range(n)]
+    return Choice(text, reason, {"tokens": pieces, "token_logprobs": logprobs[:n], "text_offset": offsets,
+                                 "top_logprobs": [_by_text(top[i] if top else []) for i in range(n)]})
+
+
+def _by_text(top: list[tuple[int, float]]) -> dict[str, float]:
+    """Completions' ``top_logprobs`` are keyed by token text; byte tokens that decode alike keep the likeliest."""
+    out: dict[str, float] = {}
+    for t, v in top:
+        out.setdefault(decode([t]), v)
+    return out
+
+
+def completion_answer(request_id: str, model: str, choices: list[Choice], usage_: dict, chat: bool) -> dict:
+    """A whole answer of ``len(choices)`` choices, in the completions or the chat shape."""
+    if chat:
+        out = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": "length"}
-                   for i, t in enumerate(texts)]
+        out = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+               for i, c in enumerate(choices)]
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage_}
+            "model": model, "choices": out, "usage": usage_}
 
 
 def sse(data: dict | str) -> bytes:

@@ -48,7 +48,7 @@ from kvledger.router.vllm_server import CHAT_COMPLETIONS, COMPLETIONS, EngineUnr
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.messages import RankLoad
-from kvledger.worker.wire.request import Request, RetentionConfig, TokenRange
+from kvledger.worker.wire.request import GREEDY, Request, RetentionConfig, Sampling, TokenRange
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class CompletionResult:
     model: str
     engine_answer: dict | None = None
     """A vLLM server's own JSON answer, when one served it."""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,9 +359,11 @@ class RouterService:
 
     def complete(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                  lora_id: int | None = None, priority: int | None = None, model: str | None = None,
-                 engine_fields: dict | None = None, chat: bool = False) -> CompletionResult:
+                 engine_fields: dict | None = None, chat: bool = False,
+                 sampling: Sampling = GREEDY) -> CompletionResult:
         """Route, migrate a prefix if the decision says so, serve; retry elsewhere if the rank dies.
 
+        ``sampling``: how an own rank chooses tokens (a vLLM server takes ``engine_fields`` instead).
         ``engine_fields``: more of the client's body for a vLLM server that serves it (sampling parameters;
         with ``chat``, its ``messages``, which go to the server's chat completions).
         Bad input raises ``ValueError``/``TypeError`` before anything is sent; ``UnknownModelError`` for a
@@ -368,7 +372,7 @@ class RouterService:
         """
         name, req = self._request(prompt_tokens, max_tokens, cache_salt, lora_id, model)
         request = Request(next(self._request_ids), list(req.tokens), max_tokens, lora_id, cache_salt,
-                          retention=retention_for(priority))
+                          retention=retention_for(priority), sampling=sampling)
         if name == OWN_MODEL:
             request.validate()
         died: set[int] = set()
@@ -406,9 +410,10 @@ class RouterService:
                 (out,) = reply.outcomes
                 out_tokens, cached, onboarded, answer = out.output_tokens, out.cached_tokens, out.onboarded_blocks, None
             self._served(rank, len(req.tokens), predicted, cached, migrated)
+            own = None if engine is not None else out
             return CompletionResult(request.request_id, rank, out_tokens, len(req.tokens), cached,
                                     len(req.tokens) - cached, onboarded, migrated, decision, len(died), predicted,
-                                    name, answer)
+                                    name, answer, own and own.logprobs, own and own.top_logprobs)
 
     def stream(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                lora_id: int | None = None, model: str | None = None, engine_fields: dict | None = None,

@@ -93,12 +93,51 @@ def test_streamed_chunks_join_to_the_unstreamed_text(router) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in deltas if c.choices) == chat.choices[0].message.content
 
 
+def test_seeded_sampling_repeats_and_greedy_stays_greedy(router) -> None:
+    client = sdk(router, "alice")
+    prompt = "Sampling: "
+
+    def text(**kw) -> str:
+        return client.completions.create(model=OWN_MODEL, prompt=prompt, max_tokens=12, **kw).choices[0].text
+
+    greedy = text(temperature=0)
+    assert text(temperature=0.9, seed=7) == text(temperature=0.9, seed=7), "the same seed, the same tokens"
+    assert len({text(temperature=1.5, seed=s) for s in range(4)}) > 1, "other seeds sample other tokens"
+    assert text(temperature=0.9, extra_body={"top_k": 1}, seed=3) == greedy, "top_k 1 keeps only the arg-max"
+    assert text(temperature=0.9, top_p=1e-6, seed=3) == greedy, "a tiny top_p keeps only the arg-max"
+    several = client.completions.create(model=OWN_MODEL, prompt=prompt, max_tokens=12, n=3, temperature=1.5, seed=1)
+    again = client.completions.create(model=OWN_MODEL, prompt=prompt, max_tokens=12, n=3, temperature=1.5, seed=1)
+    assert [c.text for c in several.choices] == [c.text for c in again.choices]
+
+
+def test_logprobs_and_stop_strings(router) -> None:
+    client = sdk(router, "alice")
+    out = client.completions.create(model=OWN_MODEL, prompt="Logprobs: ", max_tokens=5, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):   # keyed by text: byte tokens may share one
+        assert chosen <= 0 and 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(chosen), "greedy: the top"
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model=OWN_MODEL, messages=[{"role": "user", "content": "Logprobs?"}],
+                                          max_tokens=4, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) and c.logprob >= c.top_logprobs[1].logprob
+               for c in content)
+    whole = client.completions.create(model=OWN_MODEL, prompt="Stop strings: ", max_tokens=12).choices[0].text
+    stop = whole[3:5]
+    cut = client.completions.create(model=OWN_MODEL, prompt="Stop strings: ", max_tokens=12, stop=[stop]).choices[0]
+    assert cut.text == whole[:whole.find(stop)] and cut.finish_reason == "stop"
+
+
 def test_errors_arrive_as_the_sdks_exceptions_with_our_messages(router) -> None:
     client = sdk(router, "alice")
     with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
         client.completions.create(model="gpt-4", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="temperature=0.7: the kvledger-reference ranks decode greedily"):
-        client.completions.create(model=OWN_MODEL, prompt="x", temperature=0.7)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty=1.0: the kvledger-reference ranks apply no"):
+        client.completions.create(model=OWN_MODEL, prompt="x", frequency_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(model=OWN_MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="need 1001 blocks of 4 tokens; the largest rank's pool holds"):
         client.completions.create(model=OWN_MODEL, prompt=[5] * 4000, max_tokens=1)
     with pytest.raises(openai.BadRequestError) as e:

@@ -1,4 +1,4 @@
-"""The reference engine: serves requests through a ledger with the tiny paged model, greedily.
+"""The reference engine: serves requests through a ledger with the tiny paged model, greedily or sampled.
 
 It is the oracle for the ledger: whatever the manager reuses, copies, onboards
 or migrates, a request must come out with the same logits and tokens as on a
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.worker.engine.model import TinyDecoder
+from kvledger.worker.engine.sampler import Sampler, TokenLogprobs
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.manager import KVCacheManager
@@ -26,7 +27,7 @@ class ServeResult:
 
     request_id: int
     output_tokens: list[int]
-    """Greedy tokens, ``max_new_tokens`` of them."""
+    """``max_new_tokens`` tokens, greedy or sampled as the request's ``sampling`` says."""
     last_logits: torch.Tensor
     """Logits after the last prompt position: float32 ``[vocab]`` on the CPU."""
     cached_tokens: int
@@ -35,6 +36,8 @@ class ServeResult:
     """Prompt tokens the prefill computed; at least 1, the last prompt token is never reused."""
     onboarded_blocks: int
     """Blocks brought back from the host tier to admit the request."""
+    logprobs: TokenLogprobs | None = None
+    """Each output token's log-probability and the most likely ones', when the request asked for them."""
 
 
 @dataclass(slots=True)
@@ -200,11 +203,15 @@ class ReferenceEngine:
 
     def _decode(self, manager: KVCacheManager, pools: list[torch.Tensor], requests: Sequence[Request],
                 results: list[ServeResult], last: torch.Tensor) -> None:
-        """Greedy steps over every request that still wants tokens, batched into one forward each."""
-        next_tok = last.argmax(dim=-1).tolist()
+        """Steps over every request that still wants tokens, batched into one forward each; each request's token
+        is its own choice (``engine.sampler``: greedy unless it asked to sample)."""
+        sampler = Sampler(requests)
+        next_tok = sampler.pick(last, requests)
         active = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
         for i in active:
             results[i].output_tokens.append(next_tok[i])
+        for i, r in enumerate(requests):
+            results[i].logprobs = sampler.logprobs.get(r.request_id)
         while True:
             active = [i for i in active if len(results[i].output_tokens) < requests[i].max_new_tokens]
             if not active:
@@ -223,7 +230,7 @@ class ReferenceEngine:
             starts = [manager.num_tokens(rid) - 1 for rid in ids]
             step = self.model.forward(pools, manager.block_table(ids), [[t] for t in toks], starts,
                                       [requests[i].lora_id for i in active])
-            for i, t in zip(active, step.argmax(dim=-1).tolist()):
+            for i, t in zip(active, sampler.pick(step, [requests[i] for i in active])):
                 results[i].output_tokens.append(t)
 
     @staticmethod

@@ -55,9 +55,11 @@ class RankServer:
         return ServeReply([self._outcome(r, logits) for r in results], events)
 
     def _outcome(self, res: ServeResult, logits: bool) -> ServeOutcome:
+        lp = res.logprobs
         return ServeOutcome(res.request_id, self.books.rank, list(res.output_tokens), res.cached_tokens,
                             res.computed_tokens, res.onboarded_blocks,
-                            res.last_logits.tolist() if logits else None)
+                            res.last_logits.tolist() if logits else None,
+                            None if lp is None else lp.chosen, None if lp is None else lp.top)
 
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> int:
         """Exact probe: tokens of ``tokens[:-1]`` this rank holds as full blocks (either tier)."""

@@ -27,6 +27,10 @@ class ServeOutcome:
     """Blocks brought back from the host tier to admit the request."""
     last_logits: list[float] | None = None
     """Logits after the last prompt position (float32 values), when the caller asked for them."""
+    logprobs: list[float] | None = None
+    """Each output token's log-probability, when the request's ``sampling.logprobs`` asked for them."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per output token, the most likely tokens and their log-probabilities (``sampling.logprobs`` of them)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,41 @@ class RetentionConfig:
         return best if best is not None else (DEFAULT_PRIORITY, None)
 
 
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How the next token is chosen. The default is greedy (the arg-max, bit for bit what it always was);
+    otherwise logits are divided by ``temperature``, cut to the ``top_k`` most likely and to the smallest set
+    whose probability reaches ``top_p``, and sampled with a generator seeded by ``seed`` (the same seed, the same
+    tokens). ``logprobs``: also return each chosen token's log-probability under the model, and that many of the
+    most likely tokens' (``None``: none)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1): no cut."""
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be in 0..100, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if type(self.top_k) is not int or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1, got {self.top_k!r}")
+        if self.seed is not None and type(self.seed) is not int:
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an int in 0..20, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling()
+
+
 @dataclass(slots=True)
 class Request:
     """One generation request: its prompt and what its KV may be shared with."""
@@ -91,6 +126,7 @@ class Request:
     beam_width: int = 1
     """Beams of a beam search: they share the prompt's full blocks (its last block too when the prompt ends on a
     block boundary) and each holds its own blocks past them; block budgets count every beam."""
+    sampling: Sampling = GREEDY
 
     def validate(self) -> None:
         """Raise naming the first bad field; the ledger calls this before touching anything."""
@@ -106,5 +142,7 @@ class Request:
                              f"got {self.num_draft_tokens!r}")
         if type(self.beam_width) is not int or self.beam_width < 1:
             raise ValueError(f"request {self.request_id}: beam_width must be an int >= 1, got {self.beam_width!r}")
+        if not isinstance(self.sampling, Sampling):
+            raise TypeError(f"request {self.request_id}: sampling must be a Sampling, got {type(self.sampling).__name__}")
         if self.retention is not None and not isinstance(self.retention, RetentionConfig):
             raise TypeError(f"request {self.request_id}: retention must be a RetentionConfig, got {type(self.retention).__name__}")

@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--attempts", type=int, default=8, help="attempts a client makes per request")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    import ray   # after kvledger.coordinator set the Ray environment: every socket on 127.0.0.1
+    import ray  # after kvledger.coordinator set the Ray environment: every socket on 127.0.0.1
 
     rng = random.Random(args.seed)
     init_ray(num_cpus=max(os.cpu_count() or 1, 2), log_to_driver=False)

@@ -8,29 +8,40 @@ Python bindings (``/work/shared/peers/dynamo_radix.py``; ``pip install
 ai-dynamo-runtime==1.6.1``); if it cannot be loaded we say so and report ours.
 
 What each side pays inside the timed loop:
-  ours    decode_batch on msgpack bytes encoded up front (our wire, token ids
-          included, as our ranks send them), then PrefixIndex.apply; the parts
-          alone, and the rate with empty token_ids, are printed beside it;
+  ours    PrefixIndex.apply_bytes on msgpack bytes encoded up front (our wire,
+          token ids included, as our ranks send them): decode_view (every field
+          the index reads checked, token ids checked to be an array) and the
+          apply; beside it decode_batch + apply (every token id decoded and
+          checked), the parts alone, and the rate with empty token_ids;
   dynamo  its JSON event parse and apply (bytes encoded up front; Dynamo's
           events carry no token ids); a second figure goes through the
           adapter, which also pays json.dumps.
 Find-matches: ours ``match_prefix`` on the prompt's chained hashes; Dynamo
 ``find_matches`` on its per-block token hashes (both precomputed).
 
-    python benchmarks/bench_router.py            # 8 and 64 ranks, well under 2 minutes
-    python benchmarks/bench_router.py --ranks 8 --events 20000 --queries 500
+Every goal's ratio is printed next to its goal. Then the scale curve: apply
+rate, find-matches p50/p99 and resident memory per indexed block for 10k, 100k
+and 1M indexed blocks at 8, 64 and 256 ranks, each side built in a fresh
+process (so its resident memory is its own), printed as a table and drawn to
+``--png`` (SGLang's gateway radix tree, 167 bytes per block, is the memory
+anchor).
+
+    python benchmarks/bench_router.py            # goals and scale curve, about 5 minutes here
+    python benchmarks/bench_router.py --ranks 8 --events 20000 --queries 500 --no-scale
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,6 +58,9 @@ SHARED_BLOCKS = 256   # leading blocks shared by the documents of one group
 DOCS, GROUP = 32, 4   # 32 documents in groups of 4
 QUERY_BLOCKS = 1000
 REPEATS = 3           # throughput figures are the best of this many runs
+GOAL_APPLY = 1.5      # events applied, decode included: at least this times Dynamo's rate
+GOAL_FIND = 1.0       # find-matches p50 and p99: at most this times Dynamo's
+SGLANG_BYTES_PER_BLOCK = 167
 
 
 @dataclass(slots=True)
@@ -144,9 +158,9 @@ def _rate(n: int, run: Callable[[], object], repeats: int = REPEATS) -> float:
     return n / best
 
 
-def run_ours(ops: list[Op], per_batch: int, token_ids: bool = True,
-             repeats: int = REPEATS) -> tuple[float, PrefixIndex]:
-    """Events/s of decode + apply, and the index built."""
+def run_ours(ops: list[Op], per_batch: int, token_ids: bool = True, repeats: int = REPEATS,
+             strict: bool = False) -> tuple[float, PrefixIndex]:
+    """Events/s of decode + apply (``apply_bytes``; ``strict``: ``decode_batch`` + ``apply``), and the index."""
     wire = our_wire(ops, per_batch, token_ids)
     built: list[PrefixIndex] = []
 
@@ -154,7 +168,10 @@ def run_ours(ops: list[Op], per_batch: int, token_ids: bool = True,
         index = PrefixIndex(BLOCK)
         apply = index.apply_bytes
         for rank, seq, data in wire:
-            apply(rank, seq, data)
+            if strict:
+                index.apply(rank, seq, decode_batch(data))
+            else:
+                apply(rank, seq, data)
         assert index.stats.batches_applied == len(wire), index.stats
         built[:] = [index]
 
@@ -244,6 +261,11 @@ def _dynamo_scores(tree, thashes: list[int]) -> dict[int, int]:
     return {(k[0] if isinstance(k, tuple) else k): n for k, n in tree.find_matches(thashes).scores.items()}
 
 
+def _verdict(ratio: float, goal: float, higher: bool) -> str:
+    met = ratio >= goal if higher else ratio <= goal
+    return f"{ratio:.2f} (goal {'>=' if higher else '<='} {goal:.1f}: {'met' if met else 'NOT met'})"
+
+
 def bench(ranks: int, events: int, queries: int, seed: int, peer_ok: bool) -> None:
     rng = random.Random(seed)
     corpus = make_corpus(rng)
@@ -252,15 +274,17 @@ def bench(ranks: int, events: int, queries: int, seed: int, peer_ok: bool) -> No
     print(f"\n== {ranks} ranks: {len(ops)} events ({removals} removals), {CHUNK} blocks each ==")
 
     ours, index = run_ours(ops, 16)
+    strict, _ = run_ours(ops, 16, repeats=1, strict=True)
     single, _ = run_ours(ops, 1, repeats=1)
     bare, _ = run_ours(ops, 16, token_ids=False, repeats=1)
     decode_only, apply_only = run_ours_parts(ops)
     qdocs = [rng.choices(range(DOCS), [1.0 / (k + 1) for k in range(DOCS)])[0] for _ in range(queries)]
     p50, p99 = latencies(lambda hs: match_prefix(index, hs), [corpus.hashes[d][:QUERY_BLOCKS] for d in qdocs])
-    print(f"ours    apply: {ours:>9,.0f} events/s  (msgpack decode + apply, 16 events/batch; "
+    print(f"ours    apply: {ours:>9,.0f} events/s  (apply_bytes: msgpack decode_view + apply, 16 events/batch; "
           f"{single:,.0f} at 1/batch)")
-    print(f"          decode_batch alone {decode_only:,.0f}/s, PrefixIndex.apply alone {apply_only:,.0f}/s; "
-          f"without token_ids on the wire {bare:,.0f}/s")
+    print(f"          decode_batch + apply (every token id decoded and checked) {strict:,.0f}/s; decode_batch "
+          f"alone {decode_only:,.0f}/s, PrefixIndex.apply alone {apply_only:,.0f}/s; without token_ids on the "
+          f"wire {bare:,.0f}/s")
     print(f"ours    find-matches ({QUERY_BLOCKS} blocks): p50 {p50:7.1f} us  p99 {p99:7.1f} us  "
           f"({index.num_blocks()} hashes indexed)")
     if not peer_ok:
@@ -271,12 +295,162 @@ def bench(ranks: int, events: int, queries: int, seed: int, peer_ok: bool) -> No
     print(f"dynamo  apply: {d_raw:>9,.0f} events/s  (JSON parse + apply, encoded up front; {d_adapter:,.0f} "
           f"through the adapter, json.dumps included)")
     print(f"dynamo  find-matches ({QUERY_BLOCKS} blocks): p50 {d50:7.1f} us  p99 {d99:7.1f} us")
-    print(f"ours/dynamo  apply rate {ours / d_raw:.2f}x (index alone {apply_only / d_raw:.2f}x; "
-          f"higher is better for ours)   find-matches latency p50 {p50 / d50:.2f}x, p99 {p99 / d99:.2f}x "
-          f"(lower is better for ours)")
+    print(f"goal  events applied, decode included, ours/dynamo: {_verdict(ours / d_raw, GOAL_APPLY, True)}; "
+          f"decode_batch + apply {strict / d_raw:.2f}, index alone {apply_only / d_raw:.2f}")
+    print(f"goal  find-matches p50, ours/dynamo: {_verdict(p50 / d50, GOAL_FIND, False)}")
+    print(f"goal  find-matches p99, ours/dynamo: {_verdict(p99 / d99, GOAL_FIND, False)}")
     agree = sum({r: m.matched_blocks for r, m in match_prefix(index, corpus.hashes[d][:QUERY_BLOCKS]).items()}
                 == _dynamo_scores(tree, corpus.tokens_hashes[d][:QUERY_BLOCKS]) for d in range(DOCS))
     print(f"same matches as dynamo on {agree}/{DOCS} documents")
+
+
+# --- scale curve ---------------------------------------------------------------------------------------
+
+SCALE_BLOCKS = (10_000, 100_000, 1_000_000)
+SCALE_RANKS = (8, 64, 256)
+SCALE_DOC = 512       # blocks per document; documents of a group of 4 share their first 128
+SCALE_SHARED = 128
+
+
+@dataclass(slots=True)
+class ScalePoint:
+    """One side's figures at one size (from its own process)."""
+
+    side: str
+    blocks: int           # distinct hashes indexed
+    ranks: int
+    holdings: int         # (rank, block) pairs
+    apply_rate: float     # events/s, decode included
+    p50_us: float
+    p99_us: float
+    bytes_per_block: float
+
+
+def scale_stream(blocks: int, ranks: int, rng: random.Random) -> tuple[list[Op], list[list[int]], list[list[int]]]:
+    """Documents until ``blocks`` distinct hashes, each stored by one rank (its group's shared prefix by every
+    rank holding one of the group), in 16-block events; and the documents' hash chains (ours, Dynamo's)."""
+    pool = [rng.randrange(32_000) for _ in range(CHUNK * BLOCK + 4096)]
+    docs_h: list[list[int]] = []
+    docs_t: list[list[int]] = []
+    ops: list[Op] = []
+    held: set[tuple[int, int]] = set()   # (rank, group) holding the group's prefix
+    distinct = 0
+    while distinct < blocks:
+        d = len(docs_h)
+        if d % GROUP == 0:
+            shared_h = [rng.getrandbits(63) for _ in range(SCALE_SHARED)]
+            shared_t = [rng.getrandbits(63) for _ in range(SCALE_SHARED)]
+            distinct += SCALE_SHARED
+        rest = SCALE_DOC - SCALE_SHARED
+        hs = shared_h + [rng.getrandbits(63) for _ in range(rest)]
+        ts = shared_t + [rng.getrandbits(63) for _ in range(rest)]
+        docs_h.append(hs)
+        docs_t.append(ts)
+        distinct += rest
+        r = rng.randrange(ranks)
+        start = 0 if (r, d // GROUP) not in held else SCALE_SHARED
+        held.add((r, d // GROUP))
+        for lo in range(start, SCALE_DOC, CHUNK):
+            off = rng.randrange(4096)
+            ops.append(Op(r, True, hs[lo - 1] if lo else None, hs[lo:lo + CHUNK], ts[lo:lo + CHUNK],
+                          pool[off:off + CHUNK * BLOCK]))
+    return ops, docs_h, docs_t
+
+
+def _rss() -> int:
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def scale_point(side: str, blocks: int, ranks: int, queries: int, seed: int) -> ScalePoint:
+    """Build one side's index from the stream (timed, then resident memory), then time ``queries`` probes."""
+    rng = random.Random(seed)
+    ops, docs_h, docs_t = scale_stream(blocks, ranks, rng)
+    picks = [rng.randrange(len(docs_h)) for _ in range(queries)]
+    holdings = sum(len(op.hashes) for op in ops)
+    n_events = len(ops)
+    if side == "ours":
+        wire = our_wire(ops, 16)
+        qs = [docs_h[d] for d in picks]
+        del ops
+        before = _rss()
+        t0 = time.perf_counter()
+        index = PrefixIndex(BLOCK)
+        for rank, seq, data in wire:
+            index.apply_bytes(rank, seq, data)
+        took = time.perf_counter() - t0
+        del wire
+        after = _rss()
+        distinct = index.num_blocks()
+        p50, p99 = latencies(lambda hs: match_prefix(index, hs), qs)
+    else:
+        import dynamo._core as core
+        payloads = dynamo_payloads(ops)
+        qs = [docs_t[d] for d in picks]
+        distinct = len({h for hs in docs_h for h in hs})
+        del ops, docs_h
+        before = _rss()
+        t0 = time.perf_counter()
+        tree = core.RadixTree()
+        for worker, data in payloads:
+            tree.apply_event(worker, data)
+        took = time.perf_counter() - t0
+        del payloads
+        after = _rss()
+        p50, p99 = latencies(lambda ts: tree.find_matches(ts).scores, qs)
+    return ScalePoint(side, distinct, ranks, holdings, n_events / took, p50, p99, (after - before) / distinct)
+
+
+def run_scale(seed: int, png: Path, peer_ok: bool) -> list[ScalePoint]:
+    """Every (side, blocks, ranks) in its own process; the table, then the PNG."""
+    sides = ["ours", "dynamo"] if peer_ok else ["ours"]
+    points: list[ScalePoint] = []
+    print("\n== scale curve: each point built in a fresh process; documents of 512 blocks, one rank each ==")
+    print(f"{'side':<7} {'blocks':>9} {'ranks':>5} {'holdings':>9} {'apply ev/s':>11} {'p50 us':>8} {'p99 us':>8} "
+          f"{'bytes/block':>11}")
+    for blocks in SCALE_BLOCKS:
+        queries = 200 if blocks >= 1_000_000 else 500
+        for ranks in SCALE_RANKS:
+            for side in sides:
+                out = subprocess.run([sys.executable, __file__, "--scale-point", side, str(blocks), str(ranks),
+                                      str(queries), "--seed", str(seed)], capture_output=True, text=True, check=True)
+                pt = ScalePoint(**json.loads(out.stdout.strip().splitlines()[-1]))
+                points.append(pt)
+                print(f"{pt.side:<7} {pt.blocks:>9,} {pt.ranks:>5} {pt.holdings:>9,} {pt.apply_rate:>11,.0f} "
+                      f"{pt.p50_us:>8.1f} {pt.p99_us:>8.1f} {pt.bytes_per_block:>11.0f}", flush=True)
+    print(f"memory anchor: SGLang's gateway radix tree, {SGLANG_BYTES_PER_BLOCK} bytes per block")
+    draw(points, png)
+    print(f"scale curve drawn to {png}")
+    return points
+
+
+def draw(points: list[ScalePoint], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    panels = [("apply_rate", "events applied / s (decode included)"), ("p50_us", "find-matches p50 (us)"),
+              ("p99_us", "find-matches p99 (us)"), ("bytes_per_block", "resident bytes per indexed block")]
+    colors = {8: "tab:blue", 64: "tab:orange", 256: "tab:green"}
+    for ax, (key, title) in zip(axes, panels):
+        for side, style in (("ours", "-o"), ("dynamo", "--s")):
+            for ranks in SCALE_RANKS:
+                pts = sorted((p for p in points if p.side == side and p.ranks == ranks), key=lambda p: p.blocks)
+                if pts:
+                    ax.plot([p.blocks for p in pts], [getattr(p, key) for p in pts], style, color=colors[ranks],
+                            label=f"{side}, {ranks} ranks")
+        if key == "bytes_per_block":
+            ax.axhline(SGLANG_BYTES_PER_BLOCK, color="gray", linestyle=":", label="SGLang gateway, 167 B")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("indexed blocks")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 def main() -> None:
@@ -285,8 +459,16 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=None, help="events per run (default: 3000 per rank, max 64000)")
     ap.add_argument("--queries", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-scale", action="store_true", help="skip the scale curve")
+    ap.add_argument("--png", type=Path, default=Path(__file__).resolve().parent / "router_scale.png")
+    ap.add_argument("--scale-point", nargs=4, metavar=("SIDE", "BLOCKS", "RANKS", "QUERIES"),
+                    help=argparse.SUPPRESS)   # one point of the curve, in this process (run_scale's child)
     args = ap.parse_args()
     sys.path.insert(0, str(PEERS))
+    if args.scale_point:
+        side, blocks, ranks, queries = args.scale_point
+        print(json.dumps(asdict(scale_point(side, int(blocks), int(ranks), int(queries), args.seed))))
+        return
     try:
         import dynamo._core  # noqa: F401
         import dynamo_radix  # noqa: F401
@@ -298,6 +480,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for ranks in args.ranks:
         bench(ranks, args.events or min(3000 * ranks, 64_000), args.queries, args.seed, peer_ok)
+    if not args.no_scale:
+        run_scale(args.seed, args.png, peer_ok)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
 
 

@@ -3,17 +3,18 @@
 (a) Offload and onboard of N blocks between the device and host tiers, driven
     through the ledger (``KVCacheManager`` admissions that evict to, and
     onboard from, the host tier), against one plain ``copy_`` of a contiguous
-    tensor of the same bytes, in the same run. Goal: >= 0.8 of it. The ratio
-    times the tier copies (the pools' ``flush``, where planned copies run);
-    "with the books" times the whole admission (allocation, tree, events too).
+    tensor of the same bytes, in the same run. Goal: "with the books" (the whole
+    admission: allocation, tree, events and copies) >= 0.8 of it; the ratio of
+    the tier copies alone (the pools' ``flush``, where planned copies run) is
+    printed beside it.
 (b) Migration of N blocks from rank 0 to rank 1 (two rank actors on a local
     Ray, gloo on CPUs, NCCL on GPUs): the transfer as ``Migrator.migrate``
     times it (send/recv, gather/scatter where the slots are not one run, the
     target storing the blocks), against one ``send``/``recv`` of a contiguous
     tensor of the same bytes between the same two actors (rank workers with a
     raw send and receive added, ``RawTransferWorker`` below), dispatched the
-    same way, in the same run. Goal: >= 0.7 of it. The end-to-end time (with the
-    pin and allocate round trips) is printed too.
+    same way, in the same run. Goal: end to end (with the pin and allocate
+    round trips) >= 0.8 of it; the move alone is printed beside it.
 
     python benchmarks/bench_transfer.py [--blocks 64 512] [--reps 5] [--device auto] [--skip-migration]
 
@@ -36,6 +37,13 @@ from kvledger.worker.rank.worker import RankWorker
 
 T = 16
 GEOMETRY = dict(tokens_per_block=T, num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.float16)
+
+
+GOAL = 0.8   # tier copies with the books, and migrations end to end: at least this of the plain baseline
+
+
+def _verdict(ratio: float) -> str:
+    return f"{ratio:.2f} (goal >= {GOAL}: {'met' if ratio >= GOAL else 'NOT met'})"
 
 
 def cache_config(device: str, primary: int, secondary: int) -> CacheConfig:
@@ -138,8 +146,9 @@ def bench_tiers(blocks: list[int], reps: int, device: str) -> None:
             ledger_gbs = nbytes / statistics.median(r[f"{name}_ledger"] for r in runs) / 1e9
             print(f"  {name} {n:>4} blocks ({nbytes / 2**20:5.1f} MiB): tier copy {copy_gbs:6.2f} GB/s "
                   f"({runs[0][f'{name}_copies']} slice copies), with the books {ledger_gbs:6.2f} GB/s; "
-                  f"plain copy_ {base_gbs:6.2f} GB/s; ratio {copy_gbs / base_gbs:.2f} (goal >= 0.8), "
-                  f"with the books {ledger_gbs / base_gbs:.2f}")
+                  f"plain copy_ {base_gbs:6.2f} GB/s; ratio {copy_gbs / base_gbs:.2f}")
+            print(f"  goal  {name} {n:>4} blocks, tier copy with the books / plain copy_: "
+                  f"{_verdict(ledger_gbs / base_gbs)}")
 
 
 class RawTransferWorker(RankWorker):
@@ -230,7 +239,8 @@ def bench_migration(blocks: list[int], reps: int, device: str) -> None:
             base_gbs = nbytes / statistics.median(base) / 1e9
             print(f"  migrate {n:>4} blocks ({nbytes / 2**20:6.1f} MiB): {gbs:6.2f} GB/s "
                   f"(end to end {e2e_gbs:5.2f}); plain send/recv {base_gbs:6.2f} GB/s; "
-                  f"ratio {gbs / base_gbs:.2f} (goal >= 0.7), end to end {e2e_gbs / base_gbs:.2f}")
+                  f"ratio {gbs / base_gbs:.2f} (the move alone)")
+            print(f"  goal  migrate {n:>4} blocks end to end / plain send/recv: {_verdict(e2e_gbs / base_gbs)}")
             ray.get(a.__ray_call__.remote(_clear), timeout=300)
         st = [c.info().transfers for c in cluster.clients]
         print(f"  transfers: rank 0 {st[0]}, rank 1 {st[1]}")

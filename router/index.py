@@ -23,22 +23,36 @@ on the CPU, 16 on GPUs): each rank is indexed at its own (``set_block_size``;
 ``tokens_per_block`` is the default), and one flat map holds them all, since
 chained hashes over blocks of different sizes never meet. A probe walks one
 chain per block size in use (``block_sizes``).
+
+A probe is a chain: each hash the child of the one before. The index keeps each
+held hash's parent (as the first event to store it named it) and, per rank, how
+many of its held blocks have each parent and how many it holds without their
+parent ("orphans", left by an eviction in the middle of a chain). A rank with no
+orphans holds whole prefixes only, so along a chain its blocks stop at one place
+and ``chain_prefixes`` finds that place by bisection: one lookup every 32
+blocks, then five per distinct match length, instead of one per block. Ranks
+with orphans, or holdings of unknown parents (a snapshot), are walked block by
+block as ``longest_prefixes`` walks any sequence of hashes.
 """
 from __future__ import annotations
 
 import enum
 import heapq
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
+from operator import and_, ne, not_, or_
 from typing import Protocol
 
-from kvledger.worker.wire.events import (BlockRemoved, BlockStored, BlockUpdated, EventBatch, KVCacheCreated, KVEvent,
-                                         Medium, check_event, check_hash, check_medium, decode_batch)
+from kvledger.worker.wire.events import (EVENT_CLASS, BatchView, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
+                                         KVCacheCreated, Medium, check_event, check_hash, check_medium, decode_view)
 
 _DEV = 1                  # one device-tier ref
 _HOST = 1 << 32           # one host-tier ref
 _DEV_MASK = _HOST - 1
+_UNKNOWN = object()       # a parent the index was never told
+_GRID = 32                # blocks between the probes of a chain's first pass
 
 
 def _tier_unit(medium: Medium | None) -> int:
@@ -111,19 +125,22 @@ class IndexStats:
 
 @dataclass(slots=True)
 class _Feed:
-    """One rank's numbering, its bit in the holder masks, and its holdings."""
+    """One rank's numbering, its bit in the holder masks, its holdings, and how they chain."""
 
     next_seq: int
     bit: int
     refs: dict[int, int] = field(default_factory=dict)   # hash -> device refs | host refs << 32
     awaiting_snapshot: bool = False
+    kids: dict[int, int] = field(default_factory=dict)   # hash -> held blocks whose parent it is
+    orphans: int = 0          # held blocks whose parent is not held
+    untracked: bool = False   # holds blocks of unknown parent: chains are walked block by block
 
 
 class PrefixIndex:
     """Block hash -> holding ranks and tiers, from numbered event batches (see the module docstring)."""
 
     __slots__ = ("tokens_per_block", "stats", "_holders", "_host_only", "_feeds", "_slot_rank", "_free_slots",
-                 "_block_sizes")
+                 "_block_sizes", "_parents", "_walked", "_mask_ranks")
 
     def __init__(self, tokens_per_block: int) -> None:
         if type(tokens_per_block) is not int or tokens_per_block <= 0:
@@ -136,6 +153,9 @@ class PrefixIndex:
         self._slot_rank: list[int | None] = []  # bit position -> rank
         self._free_slots: list[int] = []        # min-heap of freed bit positions
         self._block_sizes: dict[int, int] = {}  # rank -> its block size, where not tokens_per_block
+        self._parents: dict[int, int | None] = {}  # hash -> its parent; also stale entries, dropped in bulk
+        self._walked = 0                          # mask of the ranks with orphans or untracked holdings
+        self._mask_ranks: dict[int, tuple[int, ...]] = {}   # mask -> its ranks, for answers (holder sets repeat)
 
     # --- reading ------------------------------------------------------------
 
@@ -178,20 +198,65 @@ class PrefixIndex:
         return 0 if feed is None else len(feed.refs)
 
     def longest_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
-        """Per rank holding ``hashes[0]``: ``(blocks, host-only blocks)`` of its longest held prefix of the chain.
+        """Per rank holding ``hashes[0]``: ``(blocks, host-only blocks)`` of its longest held prefix of the
+        sequence, checking every block (any sequence of hashes; ``chain_prefixes`` is the probe's)."""
+        n = len(hashes)
+        active = self._holders.get(hashes[0], 0) if n else 0
+        if not active:
+            return {}
+        return self._answer(hashes, self._walk(hashes, active))
 
-        A rank drops out at its first missing block. Consecutive blocks mostly
-        have the same holders, so the common step is one dict lookup and one
-        comparison with the previous mask, whatever the number of ranks; Python
-        only does more where the holders change.
+    def chain_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """``longest_prefixes`` of a chain (each hash the child of the one before, as ``prompt_hashes`` makes
+        them and ledgers publish them), by bisection where the ranks hold whole prefixes only.
+
+        Where each match ends, the block's recorded parent must be the hash before it; a sequence that is
+        found not to be one chain is walked block by block instead.
         """
         holders = self._holders
         n = len(hashes)
         active = holders.get(hashes[0], 0) if n else 0
         if not active:
             return {}
-        ends: list[tuple[int, int]] = []   # (ranks' bits, blocks they matched)
-        end, prev = n, active
+        if active & self._walked:
+            return self._answer(hashes, self._walk(hashes, active))
+        # Each rank of ``first`` holds a prefix of the chain, so the ranks of ``first`` holding block j only
+        # shrink as j grows. Read them on a grid (one C-level pass), then bisect each grid step where they
+        # shrink down to the blocks where they do.
+        get, parents, first = holders.get, self._parents, active
+        grid = list(range(0, n - 1, _GRID))
+        grid.append(n - 1)
+        held = list(map(and_, map(get, map(hashes.__getitem__, grid), repeat(0)), repeat(first)))
+        grid.append(n)
+        held.append(0)
+        ends: list[tuple[int, int]] = []
+        for k in compress(range(len(grid) - 1), map(ne, held, held[1:])):
+            lo, m_lo, top, m_top = grid[k], held[k], grid[k + 1], held[k + 1]
+            while m_lo != m_top:   # the first block past ``lo`` where fewer ranks hold on: (lo, top]
+                a, b, m_b = lo, top, m_top
+                while b - a > 1:
+                    mid = (a + b) >> 1
+                    m = get(hashes[mid], 0) & first
+                    if m == m_lo:
+                        a = mid
+                    else:
+                        b, m_b = mid, m
+                if m_b & ~m_lo or (a and parents.get(hashes[a], _UNKNOWN) != hashes[a - 1]):
+                    return self._answer(hashes, self._walk(hashes, first))   # not one chain
+                ends.append((m_lo & ~m_b, b))
+                lo, m_lo = b, m_b
+        return self._answer(hashes, ends)
+
+    def _walk(self, hashes: Sequence[int], active: int) -> list[tuple[int, int]]:
+        """``(ranks' bits, blocks they matched)`` from one lookup per block, ``active`` holding ``hashes[0]``.
+
+        Consecutive blocks mostly have the same holders, so the common step is one dict lookup and one
+        comparison with the previous mask, whatever the number of ranks; Python only does more where the
+        holders change.
+        """
+        holders = self._holders
+        ends: list[tuple[int, int]] = []
+        end, prev = len(hashes), active
         for j, m in enumerate(map(holders.get, hashes)):
             if m != prev:
                 if m is None or active & m != active:   # some rank of ``active`` lacks block j
@@ -203,6 +268,10 @@ class PrefixIndex:
                         break
                 prev = m
         ends.append((active, end))
+        return ends
+
+    def _answer(self, hashes: Sequence[int], ends: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+        """Per rank of ``ends``: its match and the host-only blocks within it."""
         host: dict[int, int] = {}   # bit -> host-only blocks within its match
         if self._host_only:
             longest = max(matched for bits, matched in ends if bits)
@@ -214,9 +283,14 @@ class PrefixIndex:
                         low = hit & -hit
                         host[low] = host.get(low, 0) + 1
                         hit ^= low
-        slot_rank = self._slot_rank
         out: dict[int, tuple[int, int]] = {}
         for bits, matched in ends:
+            if not bits:
+                continue
+            if not host:   # one tuple for the ranks of this end, none holding a block on the host tier only
+                out.update(zip(self._ranks_of(bits), repeat((matched, 0))))
+                continue
+            slot_rank = self._slot_rank
             while bits:
                 low = bits & -bits
                 rank = slot_rank[low.bit_length() - 1]
@@ -224,6 +298,15 @@ class PrefixIndex:
                 out[rank] = (matched, host.get(low, 0))
                 bits ^= low
         return out
+
+    def _ranks_of(self, mask: int) -> tuple[int, ...]:
+        """The ranks of ``mask``, remembered: a probe's answer reuses the same few holder sets."""
+        ranks = self._mask_ranks.get(mask)
+        if ranks is None:
+            if len(self._mask_ranks) >= 4096:
+                self._mask_ranks.clear()
+            ranks = self._mask_ranks[mask] = tuple(self._ranks_in(mask))
+        return ranks
 
     # --- writing ------------------------------------------------------------
 
@@ -242,11 +325,12 @@ class PrefixIndex:
         return self._apply(rank, seq, batch)
 
     def apply_bytes(self, rank: int, seq: int, data: bytes) -> ApplyResult:
-        """Decode a wire batch (``kvledger.worker.wire.events.decode_batch``, which validates every field) and apply it.
+        """Decode a wire batch (``kvledger.worker.wire.events.decode_view``: every field the index reads is
+        checked, token ids only for being an array) and apply it.
 
         Raises ``EventDecodeError`` (a ``ValueError``) for malformed bytes, changing nothing.
         """
-        return self._apply(rank, seq, decode_batch(data))
+        return self._apply(rank, seq, decode_view(data))
 
     def set_block_size(self, rank: int, block_size: int) -> None:
         """Index ``rank`` at ``block_size`` tokens per block from now on (it keeps it across ``remove_rank``).
@@ -261,6 +345,7 @@ class PrefixIndex:
         feed = self._feeds.get(rank)
         if feed is not None:
             self._purge(feed)
+            self._settle(feed)
         if block_size == self.tokens_per_block:
             self._block_sizes.pop(rank, None)
         else:
@@ -288,6 +373,7 @@ class PrefixIndex:
             self._purge(feed)
         feed.next_seq, feed.awaiting_snapshot = next_seq, False
         self._install(feed, refs)
+        self._settle(feed)
         self.stats.snapshots_loaded += 1
 
     def remove_rank(self, rank: int) -> None:
@@ -295,6 +381,8 @@ class PrefixIndex:
         feed = self._feeds.pop(rank, None)
         if feed is not None:
             self._purge(feed)
+            self._walked &= ~feed.bit
+            self._mask_ranks.clear()   # its bit will be another rank's
             slot = feed.bit.bit_length() - 1
             self._slot_rank[slot] = None
             heapq.heappush(self._free_slots, slot)
@@ -303,6 +391,7 @@ class PrefixIndex:
 
     def _new_feed(self, rank: int) -> _Feed:
         """A feed with the lowest free bit, so masks stay as short as the cluster is small."""
+        self._mask_ranks.clear()   # a bit gets its rank
         if self._free_slots:
             slot = heapq.heappop(self._free_slots)
             self._slot_rank[slot] = rank
@@ -322,7 +411,7 @@ class PrefixIndex:
             mask ^= low
         return out
 
-    def _apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+    def _apply(self, rank: int, seq: int, batch: EventBatch | BatchView) -> ApplyResult:
         _check_rank(rank)
         _check_seq(seq, "seq")
         if batch.rank is not None and batch.rank != rank:
@@ -347,17 +436,18 @@ class PrefixIndex:
         if restart is not None:
             return self._restart(feed, restart)
         diverged = self._commit(feed, events)
+        self._settle(feed)
         if diverged is not None:
             return self._ask_snapshot(feed, diverged)
         feed.next_seq = seq + 1
         self.stats.batches_applied += 1
         return ApplyResult(ApplyStatus.APPLIED, seq + 1)
 
-    def _check_sizes(self, rank: int, seq: int, events: list[KVEvent]) -> str | None:
+    def _check_sizes(self, rank: int, seq: int, events: Sequence[object]) -> str | None:
         """Raise on a block size that is not the rank's; say why, if the batch shows the rank restarted."""
         tpb = self.block_size(rank)
         for i, ev in enumerate(events):
-            t = type(ev)
+            t = EVENT_CLASS[type(ev)]
             if (t is BlockStored or t is KVCacheCreated) and ev.block_size != tpb:
                 raise BlockSizeError(f"events[{i}]: {t.__name__}.block_size {ev.block_size} differs from rank "
                                      f"{rank}'s {tpb} tokens per block; blocks of another size never match")
@@ -366,7 +456,7 @@ class PrefixIndex:
                     return f"KVCacheCreated in batch {seq}: the rank restarted"
         return None
 
-    def _commit(self, feed: _Feed, events: list[KVEvent]) -> str | None:
+    def _commit(self, feed: _Feed, events: Sequence[object]) -> str | None:
         """Apply the events in order. A removal or move of a block the rank does not hold on that tier
         means our view diverged: everything this batch did is rolled back and the reason returned.
 
@@ -377,7 +467,7 @@ class PrefixIndex:
         bit = feed.bit
         cleared: list[dict[int, int]] = []   # the holdings each clear dropped, for a roll-back
         for i, ev in enumerate(events):
-            t = type(ev)
+            t = EVENT_CLASS[type(ev)]
             refs = feed.refs
             if t is BlockStored:
                 hs = ev.block_hashes
@@ -386,15 +476,18 @@ class PrefixIndex:
                     fresh = dict.fromkeys(hs, _DEV)
                     if len(fresh) == len(hs):
                         refs.update(fresh)
-                        for h in hs:
-                            holders[h] = hget(h, 0) | bit
+                        holders.update(zip(hs, map(or_, map(hget, hs, repeat(0)), repeat(bit))))
+                        self._link_run(feed, hs, ev.parent_block_hash)
                         continue
                 unit = _tier_unit(ev.medium)
-                for h in hs:
-                    self._add(feed, h, unit)
+                for h, parent in zip(hs, chain((ev.parent_block_hash,), hs)):
+                    self._add(feed, h, unit, parent)
             elif t is BlockRemoved:
                 unit = _tier_unit(ev.medium)
-                for j, h in enumerate(ev.block_hashes):
+                hs = ev.block_hashes
+                if unit == _DEV and self._drop_run(feed, hs):
+                    continue
+                for j, h in enumerate(hs):
                     v = refs.get(h, 0)
                     if v == unit:   # its last ref: the common case
                         del refs[h]
@@ -405,6 +498,7 @@ class PrefixIndex:
                             del holders[h]
                         if unit == _HOST:
                             self._clear_host_only(h, bit)
+                        self._unlink(feed, h)
                     elif _held(v, unit):
                         self._sub(feed, h, unit)
                     else:
@@ -417,22 +511,24 @@ class PrefixIndex:
                         self._roll_back(feed, events, i, 0, cleared)
                         return _diverged(i, "moves", ev.block_hash, old)
                     # add before taking away, so the block never looks absent mid-move
-                    self._add(feed, ev.block_hash, _tier_unit(ev.new_medium))
+                    self._add(feed, ev.block_hash, _tier_unit(ev.new_medium), _UNKNOWN)
                     self._sub(feed, ev.block_hash, old)
             else:  # AllBlocksCleared, or KVCacheCreated opening batch 0
                 cleared.append(refs)
                 self._purge(feed)
         return None
 
-    def _roll_back(self, feed: _Feed, events: list[KVEvent], i: int, j: int, cleared: list[dict[int, int]]) -> None:
+    def _roll_back(self, feed: _Feed, events: Sequence[object], i: int, j: int,
+                   cleared: list[dict[int, int]]) -> None:
         """Undo ``events[:i]`` and the first ``j`` hashes of ``events[i]`` (a removal), newest first."""
         ev = events[i]
-        if type(ev) is BlockRemoved:
+        parents = self._parents
+        if EVENT_CLASS[type(ev)] is BlockRemoved:
             unit = _tier_unit(ev.medium)
             for h in reversed(ev.block_hashes[:j]):
-                self._add(feed, h, unit)
+                self._add(feed, h, unit, parents.get(h, _UNKNOWN))
         for ev in reversed(events[:i]):
-            t = type(ev)
+            t = EVENT_CLASS[type(ev)]
             if t is BlockStored:
                 unit = _tier_unit(ev.medium)
                 for h in reversed(ev.block_hashes):
@@ -440,20 +536,22 @@ class PrefixIndex:
             elif t is BlockRemoved:
                 unit = _tier_unit(ev.medium)
                 for h in reversed(ev.block_hashes):
-                    self._add(feed, h, unit)
+                    self._add(feed, h, unit, parents.get(h, _UNKNOWN))
             elif t is BlockUpdated:
                 if _is_move(ev):
-                    self._add(feed, ev.block_hash, _tier_unit(ev.old_medium))
+                    self._add(feed, ev.block_hash, _tier_unit(ev.old_medium), _UNKNOWN)
                     self._sub(feed, ev.block_hash, _tier_unit(ev.new_medium))
             else:   # the holdings are empty again, as right after the clear
                 self._install(feed, cleared.pop())
 
-    def _add(self, feed: _Feed, h: int, unit: int) -> None:
+    def _add(self, feed: _Feed, h: int, unit: int, parent: object) -> None:
+        """One more ref on ``h``; ``parent`` is its parent if this makes the rank hold it (else unused)."""
         refs, bit = feed.refs, feed.bit
         v = refs.get(h, 0)
         refs[h] = w = v + unit
         if v == 0:
             self._holders[h] = self._holders.get(h, 0) | bit
+            self._link(feed, h, parent)
         was_host_only = v != 0 and not v & _DEV_MASK
         if not w & _DEV_MASK:
             if not was_host_only:
@@ -475,10 +573,124 @@ class PrefixIndex:
                 del self._holders[h]
             if was_host_only:
                 self._clear_host_only(h, bit)
+            self._unlink(feed, h)
             return
         refs[h] = w
         if not w & _DEV_MASK and not was_host_only:
             self._host_only[h] = self._host_only.get(h, 0) | bit
+
+    # --- chains: parents, and each rank's orphans ---------------------------
+
+    def _link_run(self, feed: _Feed, hs: list[int], parent: int | None) -> None:
+        """``hs`` (a stored run, each the child of the one before, the first of ``parent``) just became held."""
+        if feed.untracked:
+            return
+        expected = [parent, *hs[:-1]]
+        got = list(map(self._parents.setdefault, hs, expected))   # the first parent the index was told
+        kids = feed.kids
+        if got != expected or feed.orphans:
+            healed = sum(map(kids.get, hs, repeat(0)))   # held children of blocks not held until now: orphans
+            for p in got:
+                if p is not None:
+                    kids[p] = kids.get(p, 0) + 1
+            refs = feed.refs
+            feed.orphans += sum(1 for p in got if p is not None and p not in refs) - healed
+            return
+        # Every held block's parent is held, so no kid count is keyed by a block not held, as ``hs`` were.
+        kids.update(dict.fromkeys(hs[:-1], 1))
+        if parent is not None:
+            kids[parent] = kids.get(parent, 0) + 1
+            if parent not in feed.refs:
+                feed.orphans += 1
+
+    def _drop_run(self, feed: _Feed, hs: list[int]) -> bool:
+        """Remove device blocks ``hs`` in bulk if the rank holds each once, on the device tier only (the
+        common eviction); else change nothing and say so."""
+        refs, holders = feed.refs, self._holders
+        if list(map(refs.get, hs)).count(_DEV) != len(hs) or len(set(hs)) != len(hs):
+            return False
+        masks = list(map(and_, map(holders.__getitem__, hs), repeat(~feed.bit)))
+        deque(map(refs.__delitem__, hs), 0)
+        holders.update(zip(hs, masks))
+        if 0 in masks:
+            deque(map(holders.__delitem__, compress(hs, map(not_, masks))), 0)
+        if not feed.untracked:
+            self._unlink_run(feed, hs)
+        return True
+
+    def _unlink_run(self, feed: _Feed, hs: list[int]) -> None:
+        """``hs`` (distinct) just stopped being held, all of them (gone from ``feed.refs`` already)."""
+        kids, refs = feed.kids, feed.refs
+        ps = list(map(self._parents.__getitem__, hs))
+        first = ps[0]
+        if ps[1:] == hs[:-1] and first not in hs and list(map(kids.get, hs[:-1])).count(1) == len(hs) - 1:
+            # A chain whose blocks but the last had one held child each: a tail evicted root first.
+            deque(map(kids.__delitem__, hs[:-1]), 0)
+            lost = first is not None and first not in refs
+            if first is not None:
+                n = kids[first] - 1
+                if n:
+                    kids[first] = n
+                else:
+                    del kids[first]
+            feed.orphans += kids.get(hs[-1], 0) - lost
+            return
+        gone = set(hs)
+        lost = sum(1 for p in ps if p is not None and p not in refs and p not in gone)   # orphans removed
+        for p in ps:
+            if p is not None:
+                n = kids[p] - 1
+                if n:
+                    kids[p] = n
+                else:
+                    del kids[p]
+        feed.orphans += sum(map(kids.get, hs, repeat(0))) - lost   # held children of removed blocks: orphans
+
+    def _link(self, feed: _Feed, h: int, parent: object) -> None:
+        """``h`` just became held, after ``parent`` (``_UNKNOWN``: not said; ``None``: a chain's first block)."""
+        if feed.untracked:
+            return
+        known = self._parents.get(h, _UNKNOWN)
+        if known is _UNKNOWN:
+            if parent is _UNKNOWN:
+                feed.untracked = True
+                return
+            self._parents[h] = known = parent
+        self._count_link(feed, h, known)
+
+    def _count_link(self, feed: _Feed, h: int, parent: int | None) -> None:
+        kids = feed.kids
+        if parent is not None:
+            kids[parent] = kids.get(parent, 0) + 1
+            if parent not in feed.refs:
+                feed.orphans += 1
+        feed.orphans -= kids.get(h, 0)   # its held children were orphans
+
+    def _unlink(self, feed: _Feed, h: int) -> None:
+        """``h`` just stopped being held (its entry in ``feed.refs`` is gone)."""
+        if feed.untracked:
+            return
+        parent = self._parents[h]
+        kids = feed.kids
+        if parent is not None:
+            n = kids[parent] - 1
+            if n:
+                kids[parent] = n
+            else:
+                del kids[parent]
+            if parent not in feed.refs:
+                feed.orphans -= 1
+        feed.orphans += kids.get(h, 0)
+
+    def _settle(self, feed: _Feed) -> None:
+        """After a change of ``feed``'s holdings: its bit in ``_walked``, and stale parents dropped in bulk."""
+        if feed.orphans or feed.untracked:
+            self._walked |= feed.bit
+        else:
+            self._walked &= ~feed.bit
+        if len(self._parents) > 2 * len(self._holders) + 4096:
+            holders = self._holders
+            self._parents = {h: p for h, p in self._parents.items() if h in holders}
 
     def _install(self, feed: _Feed, refs: dict[int, int]) -> None:
         """Make ``refs`` the holdings of a feed that holds nothing."""
@@ -489,6 +701,12 @@ class PrefixIndex:
             holders[h] = holders.get(h, 0) | bit
             if not v & _DEV_MASK:
                 host_only[h] = host_only.get(h, 0) | bit
+        parents = list(map(self._parents.get, refs, repeat(_UNKNOWN)))
+        if _UNKNOWN in parents:
+            feed.untracked = True
+            return
+        feed.kids = dict(Counter(p for p in parents if p is not None))
+        feed.orphans = sum(1 for p in parents if p is not None and p not in refs)
 
     def _clear_host_only(self, h: int, bit: int) -> None:
         m = self._host_only[h] & ~bit
@@ -511,11 +729,12 @@ class PrefixIndex:
                     host_only[h] = m
                 else:
                     del host_only[h]
-        feed.refs = {}
+        feed.refs, feed.kids, feed.orphans, feed.untracked = {}, {}, 0, False
 
     def _restart(self, feed: _Feed, reason: str) -> ApplyResult:
         """The rank's cache is gone: drop its stale blocks now and wait for its snapshot."""
         self._purge(feed)
+        self._settle(feed)
         feed.next_seq = 0
         return self._ask_snapshot(feed, reason)
 

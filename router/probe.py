@@ -21,7 +21,8 @@ from kvledger.worker.wire.block_key import MmKey, block_hashes
 class PrefixMatch:
     """One rank's longest held prefix of a prompt (any tier), and how many of those blocks sit on the host tier.
 
-    Made per rank on every probe, so not frozen: a frozen dataclass takes three times as long to build.
+    Made on every probe, so not frozen (a frozen dataclass takes three times as long to build), and shared
+    by the ranks of one probe with the same match: read-only by convention.
     """
 
     matched_blocks: int
@@ -45,13 +46,16 @@ def prompt_hashes(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int 
 
 def match_prefix(index: PrefixIndex, hashes: Sequence[int], tokens_per_block: int | None = None,
                  ) -> dict[int, PrefixMatch]:
-    """Per rank holding at least the chain's first block: its match along ``hashes`` (blocks of
-    ``tokens_per_block`` tokens, the index's default when ``None``), by rank."""
+    """Per rank holding at least the chain's first block: its match along the chain ``hashes`` (each the
+    child of the one before, as ``prompt_hashes`` makes them; blocks of ``tokens_per_block`` tokens, the
+    index's default when ``None``), by rank."""
     tpb = index.tokens_per_block if tokens_per_block is None else tokens_per_block
-    found = sorted(index.longest_prefixes(hashes).items())
+    found = index.chain_prefixes(hashes)
+    ranks = sorted(found)
     if index.other_block_sizes():   # a chain of one size names no block of another; this keeps it certain
-        found = [(r, m) for r, m in found if index.block_size(r) == tpb]
-    return {r: PrefixMatch(b, b * tpb, host) for r, (b, host) in found}
+        ranks = [r for r in ranks if index.block_size(r) == tpb]
+    made = {m: PrefixMatch(m[0], m[0] * tpb, m[1]) for m in set(found.values())}   # ranks share matches
+    return {r: made[found[r]] for r in ranks}
 
 
 def match_all_sizes(index: PrefixIndex, tokens: Sequence[int], hashes: Sequence[int], *, lora_id: int | None = None,

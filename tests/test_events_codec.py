@@ -10,8 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
-                                         EventDecodeError, KVCacheCreated, KVEvent, decode_batch, encode_batch)
+from kvledger.worker.wire import events as events_module
+from kvledger.worker.wire.events import (EVENT_CLASS, AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated,
+                                         EventBatch, EventDecodeError, KVCacheCreated, KVEvent, decode_batch,
+                                         decode_view, encode_batch)
 
 U64_MAX = 2**64 - 1
 H1, H2 = 0x18191A1B1C1D1E1F, 0x38393A3B3C3D3E3F
@@ -411,3 +413,59 @@ def test_generated_truncations_are_rejected(batch: EventBatch, data: st.DataObje
     encoded = encode_batch(batch)
     assert decode_batch(encoded).events == batch.events, "whole, the same bytes decode to the batch's events"
     rejects(encoded[:data.draw(st.integers(0, len(encoded) - 1))])
+
+
+# --- the typed fast path and the index's view ----------------------------------------------------------
+
+def view_as_batch(data: bytes) -> EventBatch:
+    """``decode_view``'s batch with each event rebuilt as its class, token ids taken from ``decode_batch``."""
+    view, full = decode_view(data), decode_batch(data)
+    events = []
+    for ev, whole in zip(view.events, full.events, strict=True):
+        cls = EVENT_CLASS[type(ev)]
+        assert cls is type(whole)
+        if cls is type(ev):
+            events.append(ev)
+        else:
+            values = {f.name: getattr(ev, f.name) for f in dataclasses.fields(cls)}
+            if cls is BlockStored:
+                values["token_ids"] = whole.token_ids
+            events.append(cls(**values))
+    return EventBatch(view.ts, events, view.rank)
+
+
+@FAST
+@given(near_batches)
+def test_typed_decoder_and_checked_decoder_agree(value: list[object]) -> None:
+    """The msgspec path decodes exactly what the field-by-field path does, and refuses nothing it accepts."""
+    data = wire(value)
+    try:
+        checked = events_module._decode_checked(data)
+    except EventDecodeError as e:
+        with pytest.raises(EventDecodeError) as fast:
+            decode_batch(data)
+        assert str(fast.value) == str(e)
+        return
+    assert decode_batch(data) == checked
+    assert view_as_batch(data) == checked
+
+
+@FAST
+@given(batches)
+def test_view_reads_what_decode_batch_reads(batch: EventBatch) -> None:
+    assert view_as_batch(encode_batch(batch)) == batch
+
+
+def test_view_checks_token_ids_as_decode_batch_does() -> None:
+    good = event_maps(EventBatch(0.0, [make_stored()]))[0]
+    for bad in (3, [-1, "a"], [{}]):   # bad input is refused whichever decoder reads it, and names the field
+        data = wire([0.0, [{**good, "token_ids": bad}], 0])
+        assert "token_ids" in rejects(data)
+        with pytest.raises(EventDecodeError, match="token_ids"):
+            decode_view(data)
+    assert [EVENT_CLASS[type(e)] for e in decode_view(wire([0.0, [good], 0])).events] == [BlockStored]
+
+
+@pytest.mark.parametrize("data", [VLLM_MAP, VLLM_ARRAY], ids=["map", "array"])
+def test_view_reads_both_vllm_layouts(data: bytes) -> None:
+    assert view_as_batch(data) == decode_batch(data)

@@ -369,3 +369,92 @@ def test_foreign_batch_not_applied_leaves_the_map_alone():
     assert feed.apply(0, 0, batch(BlockStored([1], None, [1, 2, 3, 4], TPB))).applied
     feed.remove_rank(0)
     assert index.ranks() == [] and feed.mapped(0, 1) is None
+
+
+# --- chains: binary search where ranks hold whole prefixes, block by block elsewhere ------------------------
+
+CHAINS = [[0x5000 + 16 * c + j for j in range(10)] for c in range(3)]   # chain 1 and 2 share chain 0's root
+CHAINS[1][:3] = CHAINS[0][:3]
+CHAINS[2][:1] = CHAINS[0][:1]
+
+_chain_op = st.tuples(st.sampled_from(["store", "store", "remove", "evict", "evict_tail_first", "offload", "clear"]),
+                      st.integers(0, 2),
+                      st.integers(0, 2), st.integers(0, 9), st.integers(1, 6))
+
+
+def _orphans(index: PrefixIndex, rank: int) -> int:
+    """Blocks ``rank`` holds whose chain parent (in CHAINS) it does not: what the index must count."""
+    parent = {h: (c[j - 1] if j else None) for c in CHAINS for j, h in enumerate(c)}
+    held = {h for c in CHAINS for h in c if index.refs(rank, h) != (0, 0)}
+    return sum(1 for h in held if parent[h] is not None and parent[h] not in held)
+
+
+def _check_orphan_books(index: PrefixIndex) -> None:
+    for rank in range(3):
+        feed = index._feeds.get(rank)
+        if feed is not None and not feed.untracked:
+            assert feed.orphans == _orphans(index, rank)
+            assert bool(index._walked & feed.bit) == bool(feed.orphans)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(_chain_op, max_size=4), max_size=12))
+def test_chain_prefixes_agree_with_the_block_by_block_walk(batches):
+    index = PrefixIndex(TPB)
+    for ops in batches:
+        for kind, rank, c, start, n in ops:
+            chain = CHAINS[c]
+            hs = chain[start:start + n]
+            if kind == "store":
+                ev = stored(hs, chain[start - 1] if start else None)
+            elif kind == "remove":
+                ev = removed(hs[:1])
+            elif kind == "evict":
+                ev = removed(hs)
+            elif kind == "evict_tail_first":
+                ev = removed(hs[::-1])
+            elif kind == "offload":
+                ev = BlockUpdated(hs[0], "GPU", "CPU")
+            else:
+                ev = AllBlocksCleared()
+            r = index.apply(rank, index.next_seq(rank), batch(ev))
+            _check_orphan_books(index)   # after a roll-back too
+            if r.status is ApplyStatus.SNAPSHOT:   # removed or moved what it lacks: rebuilt, parents known
+                index.load_snapshot(rank, [], index.next_seq(rank))
+        for chain in CHAINS:
+            for end in (1, 4, 10):
+                assert index.chain_prefixes(chain[:end]) == index.longest_prefixes(chain[:end])
+
+
+def test_chain_prefixes_walk_ranks_with_holes_and_sequences_that_are_not_chains(index):
+    c = CHAINS[0]
+    index.apply(0, 0, batch(stored(c[:8])))
+    index.apply(1, 0, batch(stored(c[:8])))
+    assert index.chain_prefixes(c) == {0: (8, 0), 1: (8, 0)}
+    index.apply(1, 1, batch(removed(c[3:4])))            # an eviction mid-chain: rank 1 holds 0-2 and 4-7
+    assert index.chain_prefixes(c) == index.longest_prefixes(c) == {0: (8, 0), 1: (3, 0)}
+    index.apply(1, 2, batch(stored(c[3:4], c[2])))        # the hole refilled: whole prefixes again
+    assert index._walked == 0
+    assert index.chain_prefixes(c) == {0: (8, 0), 1: (8, 0)}
+    not_a_chain = [c[0], c[5], c[1], c[2]]                # held blocks, but not each the child of the one before
+    assert index.chain_prefixes(not_a_chain) == index.longest_prefixes(not_a_chain) == {0: (4, 0), 1: (4, 0)}
+
+
+def test_snapshot_of_blocks_of_unknown_parent_is_walked_block_by_block(index):
+    c = CHAINS[0]
+    index.load_snapshot(2, [SnapshotBlock(h) for h in c[:5]], 0)
+    assert index._walked == 1 << 0                        # rank 2 took slot 0
+    assert index.chain_prefixes(c) == {2: (5, 0)}
+    index.apply(2, 0, batch(AllBlocksCleared(), stored(c[:2])))
+    assert index._walked == 0 and index.chain_prefixes(c) == {2: (2, 0)}
+
+
+def test_apply_bytes_reads_no_token_ids_but_rejects_what_is_not_an_array(index):
+    good = stored(H[:1])
+    data = encode_batch(batch(good, rank=0))
+    assert index.apply_bytes(0, 0, data).applied
+    not_an_array = data.replace(bytes([0x94]) + bytes([7]) * 4, bytes([7]))   # token_ids [7, 7, 7, 7] -> 7
+    assert not_an_array != data
+    with pytest.raises(EventDecodeError, match="token_ids"):
+        index.apply_bytes(0, 1, not_an_array)
+    assert index.next_seq(0) == 1

@@ -6,6 +6,14 @@ whose first entry is ``"type": <name>``, as vLLM >= 0.24 writes them, so the
 router can index a real vLLM engine too. The decoder also reads vLLM's older
 array events (``[tag, field, ...]``, vLLM <= 0.23) and rejects anything else
 with ``EventDecodeError``.
+
+Decoding is msgspec's typed decoder first (the map layout, every field checked
+in C), and the field-by-field decoder for whatever it refuses: the array
+layout, hashes sent as bytes, and every malformed batch, so an error message is
+the same whichever path saw the bytes first. ``decode_view`` is the router
+index's decode: the same checks, except that token ids (which the index never
+reads) are only checked to be an array, since decoding them costs as much as
+the rest of the apply.
 """
 from __future__ import annotations
 
@@ -13,9 +21,11 @@ import math
 import reprlib
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 import msgpack
+import msgspec
+from msgspec.structs import astuple
 
 Medium = Literal["GPU", "CPU"]
 
@@ -312,10 +322,8 @@ def _decode_event(raw: object) -> KVEvent:
     raise _bad("event", "a map or a non-empty tagged array", raw)
 
 
-def decode_batch(data: bytes) -> EventBatch:
-    """Decode one batch in either vLLM layout, or raise ``EventDecodeError``; never a partial batch."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise EventDecodeError(f"expected bytes, got {type(data).__name__}")
+def _decode_checked(data: bytes) -> EventBatch:
+    """The field-by-field decoder: either layout, hashes as bytes, and the error naming the first bad part."""
     try:
         obj = msgpack.unpackb(data, raw=False)
     except ValueError as e:  # every msgpack unpack error (ExtraData, OutOfData, FormatError, StackError) is one
@@ -337,3 +345,111 @@ def decode_batch(data: bytes) -> EventBatch:
         except EventDecodeError as e:
             raise EventDecodeError(f"events[{i}]: {e}") from None
     return EventBatch(float(ts), out, rank)
+
+
+# --- the typed fast path (msgspec) -----------------------------------------
+
+_Nat = Annotated[int, msgspec.Meta(ge=0)]   # msgpack carries no int past 2**64 - 1, so this is a u64 too
+_MediumType = Union[Literal["GPU", "CPU"], None]
+_PriorityType = Union[Annotated[int, msgspec.Meta(ge=0, le=100)], None]
+
+#: msgspec's type of every event field: ``_CHECKS`` again, run in C. It may refuse more than ``_CHECKS``
+#: (hashes sent as bytes), never less; what it refuses goes to ``_decode_checked``.
+_TYPES: dict[str, object] = {
+    "block_hashes": list[_Nat],
+    "parent_block_hash": Union[_Nat, None],
+    "token_ids": list[_Nat],
+    "block_size": Annotated[int, msgspec.Meta(gt=0)],
+    "lora_id": Union[_Nat, None],
+    "medium": _MediumType,
+    "lora_name": Union[str, None],
+    "cache_salt": Union[str, None],
+    "priority": _PriorityType,
+    "group_idx": _Nat,
+    "kv_cache_spec_kind": Union[str, None],
+    "num_blocks": dict[str, _Nat],
+    "block_hash": _Nat,
+    "old_medium": _MediumType,
+    "new_medium": _MediumType,
+    "old_priority": _PriorityType,
+    "new_priority": _PriorityType,
+}
+
+
+def _wire_struct(event_cls: type[KVEvent], token_ids: object) -> type[msgspec.Struct]:
+    """A map-layout struct tagged ``"type": <class name>`` with ``event_cls``'s fields in order, so that
+    ``astuple`` of one is the argument list of the event."""
+    spec: list[tuple[str, object] | tuple[str, object, object]] = []
+    for f in fields(event_cls):
+        typ = token_ids if f.name == "token_ids" else _TYPES[f.name]
+        spec.append((f.name, typ) if f.default is MISSING else (f.name, typ, f.default))
+    return msgspec.defstruct(f"{event_cls.__name__}Wire", spec, tag_field="type", tag=event_cls.__name__, gc=False)
+
+
+def _batch_decoder(structs: list[type[msgspec.Struct]]) -> msgspec.msgpack.Decoder:
+    """``[ts, events, rank]``; ``excess`` catches a fourth item, which msgspec would otherwise drop."""
+    batch = msgspec.defstruct("BatchWire", [("ts", float), ("events", list[Union[tuple(structs)]]),
+                                            ("rank", Union[_Nat, None], None), ("excess", msgspec.Raw, msgspec.Raw())],
+                              array_like=True, gc=False)
+    return msgspec.msgpack.Decoder(batch)
+
+
+_WIRE: dict[type[KVEvent], type[msgspec.Struct]] = {k.cls: _wire_struct(k.cls, list[_Nat]) for k in _KINDS.values()}
+_STORED_VIEW = _wire_struct(BlockStored, msgspec.Raw)
+_DECODER = _batch_decoder(list(_WIRE.values()))
+_VIEW_DECODER = _batch_decoder([_STORED_VIEW if cls is BlockStored else s for cls, s in _WIRE.items()])
+_TOKENS = msgspec.msgpack.Decoder(list[_Nat])
+
+#: The event class each decoded struct stands for, and each event class itself: what a reader of
+#: ``decode_view`` dispatches on.
+EVENT_CLASS: dict[type, type[KVEvent]] = {**{s: cls for cls, s in _WIRE.items()}, _STORED_VIEW: BlockStored,
+                                          **{k.cls: k.cls for k in _KINDS.values()}}
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """A batch as the router's index reads it (``decode_view``).
+
+    Each event is a msgspec struct with its class's fields (``EVENT_CLASS[type(ev)]`` names the class),
+    except that ``BlockStored.token_ids`` is the raw msgpack array, checked as ``decode_batch`` checks it;
+    batches the typed decoder refuses but the checked one accepts carry the event classes themselves.
+    """
+
+    ts: float
+    events: list[object]
+    rank: int | None
+
+
+def decode_batch(data: bytes) -> EventBatch:
+    """Decode one batch in either vLLM layout, or raise ``EventDecodeError``; never a partial batch."""
+    _check_bytes(data)
+    try:
+        wire = _DECODER.decode(data)
+    except msgspec.DecodeError:
+        return _decode_checked(data)
+    if wire.excess or not math.isfinite(wire.ts):
+        return _decode_checked(data)
+    of = EVENT_CLASS
+    return EventBatch(wire.ts, [of[type(e)](*astuple(e)) for e in wire.events], wire.rank)
+
+
+def decode_view(data: bytes) -> BatchView:
+    """``decode_batch``'s checks and errors, but with token ids left as msgpack (see ``BatchView``): they are
+    checked (an array of non-negative ints, as ``decode_batch`` wants) and dropped, never built into a list."""
+    _check_bytes(data)
+    try:
+        wire = _VIEW_DECODER.decode(data)
+        for e in wire.events:
+            if type(e) is _STORED_VIEW:
+                _TOKENS.decode(e.token_ids)
+    except msgspec.DecodeError:
+        wire = None
+    if wire is None or wire.excess or not math.isfinite(wire.ts):
+        checked = _decode_checked(data)
+        return BatchView(checked.ts, list(checked.events), checked.rank)
+    return BatchView(wire.ts, wire.events, wire.rank)
+
+
+def _check_bytes(data: object) -> None:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise EventDecodeError(f"expected bytes, got {type(data).__name__}")

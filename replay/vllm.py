@@ -11,9 +11,9 @@ The workload is fitted to the servers' model: token ids are drawn below its
 vocabulary (read from its tokenizer), prompts cut so that prompt and output fit
 its maximum length (the servers must serve one model; their block sizes may
 differ, the bounds are computed at the smallest).
-Requests carry no cache salt and no LoRA id: a vLLM server keeps a salt in the
-``extra_keys`` of its events, which the router does not read yet, and has no
-adapters loaded. Besides TTFT (the measured completion latency) and hit rate,
+Requests keep the trace's cache salts (vLLM isolates them, and names a salt in
+its events' ``extra_keys``, which the index reads) and drop its LoRA ids (the
+servers have no adapters loaded). Besides TTFT (the measured completion latency) and hit rate,
 each policy reports the cached tokens the router predicted against those the
 servers delivered.
 """
@@ -116,8 +116,7 @@ def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     fitted = dataclasses.replace(options, max_input_tokens=min(options.max_input_tokens,
                                                                facts.max_model_len - options.max_output_tokens))
     trace, tpb = load_tiny_trace(config.trace, config.limit, facts.block_size, config.seed, fitted)
-    trace = Trace(trace.name, trace.block_size, [dataclasses.replace(r, cache_salt=None, lora_id=None)
-                                                 for r in trace.requests])
+    trace = Trace(trace.name, trace.block_size, [dataclasses.replace(r, lora_id=None) for r in trace.requests])
     chains_of = BlockChains(trace.block_size, tpb)
     chains = [chains_of.chain(r) for r in trace.requests]
     ranks = len(urls)

@@ -9,6 +9,9 @@ move by vLLM hash reaches the right entry of the index.
 
 Each engine is indexed at its own block size (``PrefixIndex.set_block_size``),
 told by its server or, with ``learn_block_size``, taken from its first store.
+A salted prompt's blocks are keyed by its salt: vLLM publishes the salt only
+among the first block's ``extra_keys`` (after the LoRA name, if any), so each
+mapped hash keeps the salt of its chain and a child store inherits it.
 A store whose parent was never seen (stored before the router listened) cannot
 be re-hashed and is skipped; removals of hashes never mapped are skipped too;
 both are counted in ``rejections``.
@@ -36,23 +39,27 @@ class ForeignStats:
     """Removals or moves naming a hash never mapped."""
 
 
+_Mapped = tuple[int, int, "str | None"]
+"""A foreign hash's entry: our hash, how many stores hold it, the salt of its chain."""
+
+
 class _Overlay:
     """One batch's changes to a rank's hash map, kept apart until the index has applied the batch."""
 
     __slots__ = ("base", "changes", "cleared", "stats")
 
-    def __init__(self, base: dict[int, tuple[int, int]]) -> None:
+    def __init__(self, base: dict[int, _Mapped]) -> None:
         self.base = base
-        self.changes: dict[int, tuple[int, int] | None] = {}
+        self.changes: dict[int, _Mapped | None] = {}
         self.cleared = False
         self.stats = ForeignStats()
 
-    def get(self, foreign: int) -> tuple[int, int] | None:
+    def get(self, foreign: int) -> _Mapped | None:
         if foreign in self.changes:
             return self.changes[foreign]
         return None if self.cleared else self.base.get(foreign)
 
-    def merged(self) -> dict[int, tuple[int, int]]:
+    def merged(self) -> dict[int, _Mapped]:
         out = {} if self.cleared else self.base
         for k, v in self.changes.items():
             if v is None:
@@ -72,7 +79,7 @@ class ForeignFeed:
         """``on_applied(rank, seq, batch)`` hears every applied batch, in our hashes (the router logs it)."""
         self._index = index
         self._on_applied = on_applied
-        self._maps: dict[int, dict[int, tuple[int, int]]] = {}   # rank -> foreign hash -> (our hash, stores)
+        self._maps: dict[int, dict[int, _Mapped]] = {}   # rank -> foreign hash -> (our hash, stores, salt)
         self._learning: set[int] = set()   # ranks whose block size their first store tells
         self.stats = ForeignStats()
         self.rejections = rejections if rejections is not None else Rejections()
@@ -162,24 +169,24 @@ class ForeignFeed:
         if len(ev.token_ids) != n * tpb:
             raise ValueError(f"events[{i}]: {n} blocks need {n * tpb} token_ids to re-hash, got {len(ev.token_ids)}")
         if ev.parent_block_hash is None:
-            parent = ROOT_HASH
+            parent, salt = ROOT_HASH, ev.cache_salt if ev.cache_salt is not None else _salt_of_root(ev)
         else:
             entry = overlay.get(ev.parent_block_hash)
             if entry is None:
                 overlay.stats.stores_skipped += 1
                 return None
-            parent = entry[0]
-        ours = chain_hashes(block_keys(ev.token_ids, tpb, lora_id=ev.lora_id, cache_salt=ev.cache_salt), parent)
+            parent, salt = entry[0], ev.cache_salt if ev.cache_salt is not None else entry[2]
+        ours = chain_hashes(block_keys(ev.token_ids, tpb, lora_id=ev.lora_id, cache_salt=salt), parent)
         out = []
         for foreign, mine in zip(ev.block_hashes, ours):
             entry = overlay.get(foreign)
             # A hash already mapped keeps its mapping, so its removal later finds the entry it made.
             mapped = mine if entry is None else entry[0]
-            overlay.changes[foreign] = (mapped, 1 if entry is None else entry[1] + 1)
+            overlay.changes[foreign] = (mapped, 1, salt) if entry is None else (mapped, entry[1] + 1, entry[2])
             out.append(mapped)
         overlay.stats.blocks_mapped += n
         return BlockStored(out, None if ev.parent_block_hash is None else parent, ev.token_ids, ev.block_size,
-                           ev.lora_id, ev.medium, ev.lora_name, ev.cache_salt, ev.priority, ev.group_idx,
+                           ev.lora_id, ev.medium, ev.lora_name, salt, ev.priority, ev.group_idx,
                            ev.kv_cache_spec_kind)
 
     def _release(self, overlay: _Overlay, foreign: int) -> int | None:
@@ -187,5 +194,14 @@ class ForeignFeed:
         if entry is None:
             overlay.stats.hashes_unmapped += 1
             return None
-        overlay.changes[foreign] = None if entry[1] == 1 else (entry[0], entry[1] - 1)
+        overlay.changes[foreign] = None if entry[1] == 1 else (entry[0], entry[1] - 1, entry[2])
         return entry[0]
+
+
+def _salt_of_root(ev: BlockStored) -> str | None:
+    """The cache salt among a prompt's first block's extra keys: its strings are the LoRA name (when the store
+    names one) and then the salt."""
+    keys = ev.extra_keys[0] if ev.extra_keys else None
+    names = [k for k in keys or () if isinstance(k, str)]
+    skip = 1 if ev.lora_name is not None else 0
+    return names[skip] if len(names) > skip else None

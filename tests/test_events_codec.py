@@ -78,7 +78,7 @@ def vllm_array(e: KVEvent) -> list[object]:
     """``e`` in vLLM's array layout (our own kinds: fields in declaration order after the tag)."""
     if isinstance(e, BlockStored):
         return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
-                e.medium, e.lora_name, None, e.group_idx, e.kv_cache_spec_kind]
+                e.medium, e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind]
     return [type(e).__name__, *(getattr(e, f.name) for f in dataclasses.fields(e))]
 
 
@@ -193,6 +193,7 @@ BAD_BY_FIELD: dict[str, list[object]] = {
     "priority": [-1, 101, True, 1.5, "1"],
     "group_idx": [-1, True, None, 1.5, "0"],
     "kv_cache_spec_kind": [1, True, b"full", []],
+    "extra_keys": [1, "salt", {}, [1], ["salt"], [{}]],
     "num_blocks": [None, [], 5, {"GPU": -1}, {"GPU": True}, {"GPU": 1.5}, {"GPU": None}, {b"GPU": 1}],
     "block_hash": [None, -1, True, 1.5, "h", b"", [H1]],
     "old_medium": ["cpu", 0, True],
@@ -216,7 +217,7 @@ def corrupted(template: KVEvent, name: str, bad: object, layout: str) -> bytes:
         good_raw, raw = vllm_array(good), vllm_array(template)
         slot = 1 + [f.name for f in dataclasses.fields(template)].index(name)
         if isinstance(template, BlockStored):
-            slot = {"group_idx": 9, "kv_cache_spec_kind": 10}.get(name, slot)
+            slot = {"extra_keys": 8, "group_idx": 9, "kv_cache_spec_kind": 10}.get(name, slot)
         raw[slot] = bad
     return wire([1.0, [good_raw, raw, good_raw], 0])
 
@@ -349,7 +350,7 @@ def test_generated_bad_field_anywhere_rejects_the_batch(data: st.DataObject, eve
             names = [f.name for f in dataclasses.fields(events[i])]
             slot = 1 + names.index(name)
             if isinstance(events[i], BlockStored):
-                slot = {"group_idx": 9, "kv_cache_spec_kind": 10}.get(name, slot)
+                slot = {"extra_keys": 8, "group_idx": 9, "kv_cache_spec_kind": 10}.get(name, slot)
             raw[slot] = bad
     assert rejects(wire([1.0, raws, 0])).startswith(f"events[{i}]:")
 

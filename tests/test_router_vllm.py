@@ -57,10 +57,11 @@ def complete(client: httpx.Client, tokens: list[int], model: str, **fields) -> d
     return r.json()
 
 
-def wait_indexed(service: RouterService, rank: int, tokens: list[int], want: int) -> None:
+def wait_indexed(service: RouterService, rank: int, tokens: list[int], want: int,
+                 cache_salt: str | None = None) -> None:
     """Until the index holds ``want`` tokens of ``tokens`` on ``rank`` (bounded)."""
     deadline = time.monotonic() + WAIT_S
-    while (got := service.probe(tokens)[rank].matched_tokens) < want:
+    while (got := service.probe(tokens, cache_salt=cache_salt)[rank].matched_tokens) < want:
         assert time.monotonic() < deadline, f"rank {rank} indexed {got} of {want} tokens after {WAIT_S:g} s"
         time.sleep(0.02)   # the events arrive on the subscriber's thread: nothing to wait on here
 
@@ -105,6 +106,19 @@ def test_the_same_prefix_goes_to_the_same_engine_and_the_index_predicts_what_it_
     assert kv["predicted_cached_tokens"] == expect, "once its events have arrived the index is exact"
     probe = client.post("/v1/probe", json={"prompt": second}).json()["ranks"]
     assert {p["rank"]: p["matched_tokens"] for p in probe}[rank] == expect
+
+
+def test_a_salted_prompt_is_predicted_on_the_engine_that_holds_it(router) -> None:
+    """vLLM publishes a prompt's salt among its first block's extra keys; the index keys the chain by it."""
+    service, client = router
+    model = service.ranks.engine(1000).info.model
+    tokens = prompt(4, 200)
+    first = complete(client, tokens, model, cache_salt="tenant:acme")
+    rank = first["kvledger"]["rank"]
+    wait_indexed(service, rank, tokens, 192, cache_salt="tenant:acme")
+    assert service.probe(tokens)[rank].matched_tokens == 0, "unsalted, the same tokens are not that prompt"
+    again = complete(client, tokens, model, cache_salt="tenant:acme")["kvledger"]
+    assert again["rank"] == rank and again["predicted_cached_tokens"] == again["cached_tokens"] == 192
 
 
 def test_two_block_sizes_in_one_index(router) -> None:

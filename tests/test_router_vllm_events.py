@@ -169,3 +169,21 @@ def matched_all(index: PrefixIndex, tokens: list[int]) -> dict[int, int]:
 def test_endpoint_must_be_a_zmq_address():
     with pytest.raises(ValueError, match="ZMQ address"):
         VllmEventSubscriber(ForeignFeed(PrefixIndex(tokens_per_block=T)), 1, "127.0.0.1:5557")
+
+
+def test_a_salted_chain_keeps_its_salt_from_the_first_blocks_extra_keys(engine):
+    pub, index, sub = engine
+    prompt = list(range(90, 102))
+    root = {**vllm_stored([0x51, 0x52], None, prompt[:8]), "extra_keys": [["tenant:acme"], None]}
+    child = {**vllm_stored([0x53], 0x52, prompt[8:12]), "extra_keys": [None]}   # vLLM names the salt once
+    pub.publish([root])
+    pub.publish([child])
+    for _ in range(2):
+        assert sub.poll_once(5000)
+    salted = probe(index, prompt + [0], cache_salt="tenant:acme").get(VLLM_RANK)
+    assert salted is not None and salted.matched_tokens == 12, "the child inherited its chain's salt"
+    assert matched(index, prompt + [0]) == 0, "unsalted, the same tokens are another prompt"
+    lora = {**vllm_stored([0x61], None, prompt[:4]), "lora_name": "adapter", "extra_keys": [["adapter", "s"]]}
+    pub.publish([lora])
+    assert sub.poll_once(5000)
+    assert probe(index, prompt[:4] + [0], cache_salt="s").get(VLLM_RANK).matched_tokens == 4, "after the LoRA name"

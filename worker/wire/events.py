@@ -45,6 +45,9 @@ class BlockStored:
     priority: int | None = None
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
+    extra_keys: list[list | None] | None = None
+    """vLLM's per-block extra keys, untagged as it publishes them (LoRA name, ``[mm id, offset]`` pairs, cache
+    salt, prompt-embeds digests); kvledger's own ranks send none. Kept so a salted vLLM block maps right."""
 
 
 @dataclass(slots=True)
@@ -187,6 +190,12 @@ def check_medium(v: object, where: str) -> Medium | None:
     raise _bad(where, "'GPU', 'CPU' or None", v)
 
 
+def _opt_extra_keys(v: object, where: str) -> list | None:
+    if v is None or type(v) is list and all(k is None or type(k) is list for k in v):
+        return v
+    raise _bad(where, "None or a list with a list (or None) per block", v)
+
+
 def _opt_str(v: object, where: str) -> str | None:
     if v is None or type(v) is str:
         return v
@@ -214,6 +223,7 @@ _CHECKS: dict[str, _Check] = {
     "priority": _opt_priority,
     "group_idx": _count,
     "kv_cache_spec_kind": _opt_str,
+    "extra_keys": _opt_extra_keys,
     "num_blocks": _tier_counts,
     "block_hash": check_hash,
     "old_medium": check_medium,
@@ -222,12 +232,11 @@ _CHECKS: dict[str, _Check] = {
     "new_priority": _opt_priority,
 }
 
-#: Where vLLM's array layout (<= 0.23) puts BlockStored's fields; slot 8 holds its
-#: ``extra_keys``, which we do not keep, and it has no ``cache_salt``/``priority``.
+#: Where vLLM's array layout (<= 0.23) puts BlockStored's fields (it has no ``cache_salt``/``priority``).
 #: Every other kind's array lists its fields in declaration order after the tag.
 _VLLM_ARRAY_SLOTS: dict[str, int] = {
     "block_hashes": 1, "parent_block_hash": 2, "token_ids": 3, "block_size": 4, "lora_id": 5,
-    "medium": 6, "lora_name": 7, "group_idx": 9, "kv_cache_spec_kind": 10,
+    "medium": 6, "lora_name": 7, "extra_keys": 8, "group_idx": 9, "kv_cache_spec_kind": 10,
 }
 
 
@@ -367,6 +376,7 @@ _TYPES: dict[str, object] = {
     "priority": _PriorityType,
     "group_idx": _Nat,
     "kv_cache_spec_kind": Union[str, None],
+    "extra_keys": Union[list[Union[list, None]], None],
     "num_blocks": dict[str, _Nat],
     "block_hash": _Nat,
     "old_medium": _MediumType,

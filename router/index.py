@@ -628,22 +628,14 @@ class PrefixIndex:
             deque(map(kids.__delitem__, hs[:-1]), 0)
             lost = first is not None and first not in refs
             if first is not None:
-                n = kids[first] - 1
-                if n:
-                    kids[first] = n
-                else:
-                    del kids[first]
+                _one_kid_fewer(kids, first)
             feed.orphans += kids.get(hs[-1], 0) - lost
             return
         gone = set(hs)
         lost = sum(1 for p in ps if p is not None and p not in refs and p not in gone)   # orphans removed
         for p in ps:
             if p is not None:
-                n = kids[p] - 1
-                if n:
-                    kids[p] = n
-                else:
-                    del kids[p]
+                _one_kid_fewer(kids, p)
         feed.orphans += sum(map(kids.get, hs, repeat(0))) - lost   # held children of removed blocks: orphans
 
     def _link(self, feed: _Feed, h: int, parent: object) -> None:
@@ -673,11 +665,7 @@ class PrefixIndex:
         parent = self._parents[h]
         kids = feed.kids
         if parent is not None:
-            n = kids[parent] - 1
-            if n:
-                kids[parent] = n
-            else:
-                del kids[parent]
+            _one_kid_fewer(kids, parent)
             if parent not in feed.refs:
                 feed.orphans -= 1
         feed.orphans += kids.get(h, 0)
@@ -742,6 +730,15 @@ class PrefixIndex:
         feed.awaiting_snapshot = True
         self.stats.snapshots_requested += 1
         return ApplyResult(ApplyStatus.SNAPSHOT, feed.next_seq, reason)
+
+
+def _one_kid_fewer(kids: dict[int, int], parent: int) -> None:
+    """``parent`` holds one child fewer (and leaves the count when it holds none)."""
+    n = kids[parent] - 1
+    if n:
+        kids[parent] = n
+    else:
+        del kids[parent]
 
 
 def _held(v: int, unit: int) -> bool:

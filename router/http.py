@@ -51,6 +51,7 @@ from kvledger.router.policies import NoLiveRankError
 from kvledger.router.service import (OWN_MODEL, CompletionResult, EngineRefusedError, OverloadedError, RouterService,
                                      UnknownModelError)
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
+from kvledger.router.vllm_ranks import cached_tokens_of
 
 logger = logging.getLogger(__name__)
 
@@ -383,9 +384,8 @@ def _relay(events: Iterator[tuple[int, int, dict | str]], usage: bool) -> Iterat
     for rank, predicted, ev in events:
         if isinstance(ev, dict) and ev.get("usage") and not ev.get("choices"):
             if usage:
-                cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 yield sse({**ev, "kvledger": {"rank": rank, "predicted_cached_tokens": predicted,
-                                               "cached_tokens": cached}})
+                                               "cached_tokens": cached_tokens_of(ev)}})
             continue
         yield sse(ev)
 

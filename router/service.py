@@ -43,7 +43,7 @@ from kvledger.router.rank_client import RankDiedError, RankSet
 from kvledger.router.report import ClusterReport, ForeignReport, RankReport, RouterTotals, TierBlocks
 from kvledger.router.routing import RouteStep
 from kvledger.router.stats import GAP_BUCKETS_TOKENS, Histogram
-from kvledger.router.vllm_ranks import EngineCompletion, JoinedRanks, VllmEngine
+from kvledger.router.vllm_ranks import JoinedRanks, VllmEngine, cached_tokens_of
 from kvledger.router.vllm_server import CHAT_COMPLETIONS, COMPLETIONS, EngineUnreachableError
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.wire.errors import OutOfBlocksError
@@ -455,7 +455,7 @@ class RouterService:
         try:
             for ev in itertools.chain((first,), events):
                 if isinstance(ev, dict) and ev.get("usage"):
-                    cached = EngineCompletion(200, ev).cached_tokens
+                    cached = cached_tokens_of(ev)
                 yield rank, predicted, ev
         except EngineUnreachableError as e:
             self._lost(RankDiedError(rank, str(e)))

@@ -42,8 +42,13 @@ class EngineCompletion:
 
     @property
     def cached_tokens(self) -> int:
-        usage = self.body.get("usage") or {}
-        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return cached_tokens_of(self.body)
+
+
+def cached_tokens_of(answer: dict) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of a server's answer or usage chunk (0 when absent)."""
+    usage = answer.get("usage") or {}
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 class VllmEngine:

@@ -178,15 +178,20 @@ class LedgerMachine(RuleBasedStateMachine):
         self.mgr.take_events()
 
 
+def run_derandomized(machine: type, max_examples: int) -> None:
+    """``machine`` through one fixed sequence of workloads of 60 steps each, whatever HYPOTHESIS_PROFILE says."""
+    run_state_machine_as_test(machine, settings=settings(max_examples=max_examples, stateful_step_count=60,
+                                                         deadline=None, database=None, derandomize=True,
+                                                         phases=[Phase.generate]))
+
+
 def test_random_workloads_keep_the_books_and_the_kv():
     """At least 2,000 steps, with reuse and onboarding actually exercised."""
     LedgerMachine.steps = LedgerMachine.reused = LedgerMachine.onboarded = 0
     # Derandomized whatever HYPOTHESIS_PROFILE says (and without mined constants, see no_mined_constants): one
     # fixed sequence of workloads. The floors hold for random ones too (six seeds: 128-210 reuses, 110-184 blocks
     # onboarded, the round trips via the host tier doing most of that).
-    run_state_machine_as_test(LedgerMachine, settings=settings(max_examples=60, stateful_step_count=60,
-                                                               deadline=None, database=None, derandomize=True,
-                                                               phases=[Phase.generate]))
+    run_derandomized(LedgerMachine, max_examples=60)
     assert LedgerMachine.steps >= 2000, f"only {LedgerMachine.steps} steps ran"
     assert LedgerMachine.reused > 50 and LedgerMachine.onboarded > 5, (LedgerMachine.reused, LedgerMachine.onboarded)
 
@@ -233,9 +238,7 @@ class DraftsAndRounds(LedgerMachine):
 
 def test_rewinds_and_scheduling_rounds_keep_the_books_and_the_kv():
     LedgerMachine.steps = DraftsAndRounds.rewinds = DraftsAndRounds.rounds = 0
-    run_state_machine_as_test(DraftsAndRounds, settings=settings(max_examples=40, stateful_step_count=60,
-                                                                 deadline=None, database=None, derandomize=True,
-                                                                 phases=[Phase.generate]))
+    run_derandomized(DraftsAndRounds, max_examples=40)
     assert LedgerMachine.steps >= 1500, f"only {LedgerMachine.steps} steps ran"
     assert DraftsAndRounds.rewinds > 10 and DraftsAndRounds.rounds > 100, (DraftsAndRounds.rewinds,
                                                                           DraftsAndRounds.rounds)
@@ -322,9 +325,7 @@ class ChunksAndBeams(DraftsAndRounds):
 
 def test_chunks_fits_and_beams_keep_the_books_and_the_kv():
     LedgerMachine.steps = ChunksAndBeams.chunks = ChunksAndBeams.cuts = ChunksAndBeams.beams = 0
-    run_state_machine_as_test(ChunksAndBeams, settings=settings(max_examples=40, stateful_step_count=60,
-                                                                deadline=None, database=None, derandomize=True,
-                                                                phases=[Phase.generate]))
+    run_derandomized(ChunksAndBeams, max_examples=40)
     assert LedgerMachine.steps >= 1500, f"only {LedgerMachine.steps} steps ran"
     # Six random seeds gave 32-94 chunks admitted, 14-59 chunks cut and 11-89 beam searches.
     assert ChunksAndBeams.chunks > 20 and ChunksAndBeams.cuts > 8 and ChunksAndBeams.beams > 8, (

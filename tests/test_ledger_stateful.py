@@ -91,13 +91,18 @@ class LedgerMachine(RuleBasedStateMachine):
         self._readmit(*data.draw(st.sampled_from(self.served[-4:])))
 
     def _readmit(self, tokens: list[int], salt: str | None) -> None:
-        r = Request(self.next_id, tokens, max_new_tokens=4, cache_salt=salt)
+        self._admit_one(tokens, cache_salt=salt)
+
+    def _admit_one(self, tokens: list[int], **request: object) -> bool:
+        """Admit one request of 4 new tokens under the next id; whether there was room for it."""
+        r = Request(self.next_id, tokens, max_new_tokens=4, **request)
         self.next_id += 1
         try:
             prepops = self.mgr.add_sequences([r])
         except OutOfBlocksError:
-            return
+            return False
         self._admitted([r], prepops)
+        return True
 
     @rule(priority=st.sampled_from([35, 100]))
     def round_trip_via_host(self, priority):
@@ -261,14 +266,8 @@ class ChunksAndBeams(DraftsAndRounds):
     @rule(tokens=st.lists(prompts, min_size=1, max_size=3), width=st.integers(1, 3))
     def add_beams(self, tokens, width):
         """A beam search (or one beam) over one prompt or a few joined: long enough for several chunks."""
-        r = Request(self.next_id, [t for p in tokens for t in p], max_new_tokens=4, beam_width=width)
-        self.next_id += 1
-        try:
-            prepops = self.mgr.add_sequences([r])
-        except OutOfBlocksError:
-            return
-        self._admitted([r], prepops)
-        ChunksAndBeams.beams += width > 1
+        if self._admit_one([t for p in tokens for t in p], beam_width=width):
+            ChunksAndBeams.beams += width > 1
 
     @precondition(lambda self: self.context)
     @rule(data=st.data(), n=st.one_of(st.none(), st.integers(1, 6)))

@@ -18,6 +18,7 @@ import torch
 
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.rank.faults import CrashPoints
 from kvledger.worker.rank.publisher import EventPublisher
 from kvledger.worker.wire.errors import RankNotReadyError
 
@@ -43,6 +44,8 @@ class RankBooks:
         self.manager: KVCacheManager | None = None
         self.publisher: EventPublisher | None = None
         self._local_counts: tuple[int, int] | None = None
+        self.faults = CrashPoints(rank)
+        """Crashes armed on purpose (``RankWorker.arm_crash``); every part of the rank reports its points here."""
 
     def local_block_counts(self) -> tuple[int, int]:
         """Blocks that fit this rank's budget: (device tier, host tier).

@@ -1,4 +1,7 @@
-"""Faults injected into the event transport on purpose, off by default: what the chaos run and the tests use.
+"""Faults injected on purpose, off by default: what the chaos run and the tests use.
+
+Two kinds: faults of the event transport (``TransportFaults``, ``FaultySink``)
+and crashes of a rank at a named point of its work (``CrashPoints``).
 
 A rank's batches travel to the router by push; ``FaultySink`` sits in front of
 the real sink and, for a seeded share of batches, drops one (as a lost
@@ -15,9 +18,20 @@ import random
 import threading
 import time
 from collections.abc import Callable
+import logging
+import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from kvledger.worker.wire.batches import PublishedBatch
+
+logger = logging.getLogger(__name__)
+
+CrashPoint = Literal["mid_prefill", "mid_publish", "migration_source", "migration_target"]
+"""Where a rank can be made to crash: after a prefill wrote part of its prompts' KV and before the
+requests finish; after a batch was numbered and before it left; on a migration's source with its
+blocks pinned, mid-send; on its target with blocks allocated, mid-receive."""
+CRASH_POINTS: tuple[str, ...] = get_args(CrashPoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +91,53 @@ class FaultySink:
             self._sink(batch)
         if held is not None:
             self._sink(held)
+
+
+class CrashPoints:
+    """Crashes armed at named points of one rank's work (``CrashPoint``); none armed by default.
+
+    A crash is the process exiting at once (``os._exit``), as a killed rank
+    would: nothing is cleaned up, no reply is sent. The code at each point calls
+    ``reached(point)``; the ``after``-th call past the arming crashes.
+    ``exit`` is what crashing does (tests of the bookkeeping pass a function
+    that raises instead).
+    """
+
+    def __init__(self, rank: int, exit: Callable[[int], object] = os._exit) -> None:
+        self.rank = rank
+        self._exit = exit
+        self._armed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def arm(self, point: str, after: int = 1) -> None:
+        """Crash the ``after``-th time ``point`` is reached from now on (1: the next time)."""
+        if point not in CRASH_POINTS:
+            raise ValueError(f"unknown crash point {point!r}; the points are {', '.join(CRASH_POINTS)}")
+        if not isinstance(after, int) or isinstance(after, bool) or after < 1:
+            raise ValueError(f"after must be an int >= 1, got {after!r}")
+        with self._lock:
+            self._armed[point] = after
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
+    def armed(self) -> dict[str, int]:
+        """Each armed point and how many more times it is passed before it crashes (1: the next)."""
+        with self._lock:
+            return dict(self._armed)
+
+    def reached(self, point: CrashPoint) -> None:
+        """The work is at ``point``: crash here if it is armed and its count is up."""
+        if not self._armed:   # the common case: nothing armed, no lock taken
+            return
+        with self._lock:
+            left = self._armed.get(point)
+            if left is None:
+                return
+            if left > 1:
+                self._armed[point] = left - 1
+                return
+            del self._armed[point]
+        logger.warning("rank %d: crashing at %s, as armed", self.rank, point)
+        self._exit(1)

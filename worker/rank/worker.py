@@ -104,6 +104,12 @@ class RankWorker:
         with self.books.lock:
             self.books.ledger().check_integrity()
 
+    def arm_crash(self, point: str, after: int = 1) -> dict[str, int]:
+        """Crash this rank's process the ``after``-th time it reaches ``point`` (``faults.CrashPoint``); the
+        points armed now."""
+        self.books.faults.arm(point, after)
+        return self.books.faults.armed()
+
     # ------------------------------------------------------------------ events for routers
 
     def poll_events(self) -> PublishedBatch | None:

@@ -12,6 +12,12 @@ on and drained (``take_events``) inside every timed region. Operations:
 5. allocation under eviction with offload: as 4, but our ledger moves each
    evicted block to a full host tier (which drops its own victim). vLLM's
    pool has no host tier, so its column repeats row 4 (plain eviction).
+6-8. operations 1-3 for a two-window model (Gemma-style: a layer sliding over
+   ``WINDOW`` tokens and a full-attention layer): our ledger with
+   ``attention_windows``, one window manager each; vLLM's ``BlockPool`` driven
+   as its hybrid coordinator drives it for two KV cache groups, a full-attention
+   group and a sliding-window group that looks up only the blocks of the last
+   window (right to left) and holds its null block elsewhere.
 
 Hashing: our ledger builds block keys in ``add_sequence`` and hashes in the
 store, so on vLLM's side creating the ``Request`` (which computes its sha256
@@ -54,6 +60,8 @@ from kvledger.worker.wire.events import BlockRemoved, BlockUpdated  # noqa: E402
 
 VOCAB = 128_256
 """Token ids are drawn below this (Llama 3's vocabulary)."""
+WINDOW = 1024
+"""Tokens the sliding layer of the two-window model (rows 6-8) attends to."""
 
 
 @dataclass(frozen=True)
@@ -154,11 +162,13 @@ class OursSide:
 
     name = "ours"
 
-    def __init__(self, sizes: BenchSizes, host_blocks: int = 0) -> None:
+    def __init__(self, sizes: BenchSizes, host_blocks: int = 0, two_windows: bool = False) -> None:
         self.T = sizes.tokens_per_block
+        windows = dict(num_layers=2, attention_windows=(WINDOW, None),
+                       window_blocks=((sizes.pool_blocks, 0),) * 2) if two_windows else {}
         cfg = CacheConfig(tokens_per_block=self.T, num_primary_blocks=sizes.pool_blocks,
                           num_secondary_blocks=host_blocks, materialize=False, device="cpu",
-                          offload_min_priority=0 if host_blocks else 101, event_buffer_size=100_000)
+                          offload_min_priority=0 if host_blocks else 101, event_buffer_size=100_000, **windows)
         self.mgr = KVCacheManager(cfg)
         self.mgr.take_events()
         self._next_id = 0
@@ -203,16 +213,18 @@ class VllmSide:
 
     name = "vLLM"
 
-    def __init__(self, vp: types.SimpleNamespace, sizes: BenchSizes) -> None:
+    def __init__(self, vp: types.SimpleNamespace, sizes: BenchSizes, two_windows: bool = False) -> None:
         self.vp = vp
         self.T = sizes.tokens_per_block
-        self.pool = vp.BlockPool(num_gpu_blocks=sizes.pool_blocks, enable_caching=True,
+        self.groups = 2 if two_windows else 1
+        """KV cache groups: group 0 full attention, group 1 (two windows) sliding over ``WINDOW`` tokens."""
+        self.pool = vp.BlockPool(num_gpu_blocks=sizes.pool_blocks * self.groups, enable_caching=True,
                                  hash_block_size=self.T, enable_kv_cache_events=True)
         self.pool.take_events()
         self._next_id = 0
         self.events: list = []
 
-    def _admit(self, tokens: list[int]) -> tuple[object, list, int]:
+    def _admit(self, tokens: list[int]) -> tuple[object, list[list], int]:
         rid, self._next_id = self._next_id, self._next_id + 1
         req = self.vp.Request(str(rid), tokens, self.T)  # computes the sha256 block hashes
         pool, T = self.pool, self.T
@@ -222,9 +234,21 @@ class VllmSide:
             if cached is None:
                 break
             hit.append(cached[0])
-        pool.touch(hit)
-        blocks = hit + pool.get_new_blocks(blocks_of(tokens, T) - len(hit))
-        return req, blocks, len(hit)
+        groups = [hit]
+        if self.groups == 2:   # its SlidingWindowManager: the last window's blocks, found right to left
+            need, window = -(-(WINDOW - 1) // T), []
+            for h in reversed(req.block_hashes[:len(hit)]):
+                cached = pool.get_cached_block(h, [1])
+                if cached is None or len(window) == need:
+                    break
+                window.append(cached[0])
+            if len(window) < min(need, len(hit)):
+                window, hit[:] = [], []
+            groups.append([pool.null_block] * (len(hit) - len(window)) + window[::-1])
+        for g in groups:
+            pool.touch(g)
+        n = blocks_of(tokens, T) - len(hit)
+        return req, [g + pool.get_new_blocks(n) for g in groups], len(hit)
 
     def admit(self, tokens: list[int]) -> tuple[tuple, int]:
         req, blocks, n_hit = self._admit(tokens)
@@ -235,17 +259,20 @@ class VllmSide:
         """What the scheduler does for a new request, then caching its full blocks (no-op when all hit)."""
         req, blocks, n_hit = self._admit(tokens)
         n_full = len(tokens) // self.T
-        self.pool.cache_full_blocks(req, blocks, n_hit, n_full, self.T, 0)
+        for g, group_blocks in enumerate(blocks):
+            self.pool.cache_full_blocks(req, group_blocks, n_hit, n_full, self.T, g)
         self.events = self.pool.take_events()
         return (req, blocks, n_full), n_hit
 
     def store(self, handle: tuple) -> None:
         req, blocks, n_cached = handle
-        self.pool.cache_full_blocks(req, blocks, n_cached, len(req.all_token_ids) // self.T, self.T, 0)
+        for g, group_blocks in enumerate(blocks):
+            self.pool.cache_full_blocks(req, group_blocks, n_cached, len(req.all_token_ids) // self.T, self.T, g)
         self.events = self.pool.take_events()
 
     def free(self, handle: tuple) -> None:
-        self.pool.free_blocks(reversed(handle[1]))
+        for group_blocks in handle[1]:
+            self.pool.free_blocks(reversed(group_blocks))
         self.events = self.pool.take_events()
 
     def evicted(self) -> int:
@@ -357,6 +384,9 @@ ROWS = (
     ("free", "3 free"),
     ("evict", "4 alloc under eviction"),
     ("evict_offload", "5 alloc under evict+offload"),
+    ("alloc_store_2w", "6 two windows: alloc + store"),
+    ("lookup_2w", "7 two windows: lookup + reuse"),
+    ("free_2w", "8 two windows: free"),
 )
 
 
@@ -400,6 +430,12 @@ def run(sizes: BenchSizes, vp: types.SimpleNamespace | None,
                        for s in sides}
             gc.collect()
             got = run_alloc_lookup_free(sides, prompts, watches)
+            del sides, watches
+            gc.collect()
+            sides = [OursSide(sizes, two_windows=True)] + ([VllmSide(vp, sizes, two_windows=True)] if vp else [])
+            watches = {s.name: {op: watch(s.name, op + "_2w", timed) for op in ("alloc_store", "lookup", "free")}
+                       for s in sides}
+            got.update({op + "_2w": by_side for op, by_side in run_alloc_lookup_free(sides, prompts, watches).items()})
             del sides, watches
             gc.collect()
             got["evict"] = dict(zip((s.name for s in evict_sides),
@@ -456,7 +492,8 @@ def print_table(sizes: BenchSizes, samples: dict[str, dict[str, list[Sample]]], 
     print("ours: metadata-only ledger (materialize=False, no tensors); keys + blake2b/msgpack hashes inside "
           "add_sequence/store")
     print("vLLM: Request creation with its sha256 block hashes is inside the timed region of rows 1, 2, 4, 5")
-    print("per block = per block of the prompt (full blocks + the partial one) admitted, or freed in row 3")
+    print("per block = per block of the prompt (full blocks + the partial one) admitted, or freed in rows 3 and 8 "
+          f"(rows 6-8: a position's block in each of the two windows; sliding window {WINDOW} tokens)")
     print("rows 4-5: blocks evicted (device tier) per block allocated: "
           + "; ".join(f"{op} " + ", ".join(f"{k} {v:.1%}" for k, v in d.items()) for op, d in ev.items()))
     if "evict_offload" in ratios:

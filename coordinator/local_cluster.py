@@ -13,7 +13,7 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-from kvledger.coordinator.migration import Migrator
+from kvledger.coordinator.migration import Migrator, stepwise
 from kvledger.router.liveness import Liveness
 from kvledger.router.rank_client import RankDiedError
 from kvledger.worker.ledger.config import CacheConfig
@@ -108,7 +108,7 @@ class LocalCluster:
         self.liveness = Liveness()
         self._crashed: set[int] = set()
         self._lock = threading.Lock()
-        self.migrator = Migrator(self.client, lambda s, d: _CopyMover(self.reach(s), self.reach(d)))
+        self.migrator = Migrator(stepwise(self.client, lambda s, d: _CopyMover(self.reach(s), self.reach(d))))
 
     @classmethod
     def build(cls, num_ranks: int, cache: CacheConfig, seed: int = 0, replay_size: int = 1024) -> LocalCluster:
@@ -118,7 +118,7 @@ class LocalCluster:
         cache = dataclasses.replace(cache, device="cpu")
         workers = [RankWorker(r, num_ranks, cache, seed=seed, replay_size=replay_size) for r in range(num_ranks)]
         counts = [w.local_block_counts() for w in workers]
-        agreed = (min(c[0] for c in counts), min(c[1] for c in counts))
+        agreed = tuple(min(column) for column in zip(*counts))   # every window's tiers, as the MIN all-reduce
         for w in workers:
             w.build_ledger(*agreed)
         return cls(workers)
@@ -152,8 +152,9 @@ class LocalCluster:
         old = self._workers[rank]
         m = old.manager
         assert m is not None, f"rank {rank} never had a ledger"
-        w = RankWorker(rank, old.world_size, old.template, seed=old.seed, replay_size=old.replay_size)
-        w.build_ledger(m.num_primary, m.num_secondary)
+        w = RankWorker(rank, old.world_size, old.template, seed=old.seed, replay_size=old.replay_size,
+                       batching=old.batching)
+        w.build_ledger(*(n for tiers in m.window_block_counts for n in tiers))
         with self._lock:
             self._workers[rank] = w
             self._crashed.discard(rank)

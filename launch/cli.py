@@ -69,6 +69,7 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
     from kvledger.launch.up import UpOptions
     from kvledger.router.config import RouterConfig
     from kvledger.router.policies import policy_config_type, policy_names
+    from kvledger.worker.ledger.config import parse_window
 
     p.add_argument("--address", default=None, metavar="HOST:PORT",
                    help="join this Ray cluster (e.g. one made with `ray start --head`) instead of starting one")
@@ -82,12 +83,14 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
         rename={"num_ranks": "ranks", "num_cpus_per_rank": "cpus-per-rank"},
         converters={"primary_bytes_per_rank": SIZES})
     cache = add_dataclass_flags(
-        p, default_cache(), title="cache (each rank)", exclude=("device", "materialize"),
+        p, default_cache(), title="cache (each rank)", exclude=("device", "materialize", "window_blocks"),
         description="A tier's block count given without its byte budget replaces that budget; on CUDA a "
                     "device-tier budget given without --gpu-memory-fraction replaces the GPU memory share.",
         converters={"dtype": Converter.choice({"float16": torch.float16, "bfloat16": torch.bfloat16,
                                                "float32": torch.float32}),
-                    "primary_bytes": SIZE, "secondary_bytes": SIZE})
+                    "primary_bytes": SIZE, "secondary_bytes": SIZE,
+                    "attention_windows": Converter(parse_window, lambda w: "full" if w is None else str(w),
+                                                   "TOKENS|full")})
     router = add_dataclass_flags(
         p, RouterConfig(), title="router", exclude=("tokens_per_block", "policy_options"),
         rename={"seed": "router-seed"}, converters={"policy": Converter.choice({n: n for n in policy_names()})})
@@ -145,7 +148,10 @@ def _up(p: argparse.ArgumentParser) -> Run:
 
 def _route(p: argparse.ArgumentParser) -> Run:
     p.add_argument("prompt")
-    p.add_argument("--url", default=None, help="router URL (default: the running cluster's, else :8000)")
+    p.add_argument("--url", default=None,
+                   help="router URL (default: the running cluster's first replica that is ready, else :8000)")
+    p.add_argument("--router-index", type=int, default=None, metavar="I",
+                   help="the running cluster's router replica I (0-based; `kvledger status` lists them)")
     p.add_argument("--salt", default=None, help="cache salt: only prompts with the same salt share KV")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--model", default=None, help="a model of the router's /v1/models (default: the first)")
@@ -156,7 +162,7 @@ def _route(p: argparse.ArgumentParser) -> Run:
     def run(args: argparse.Namespace) -> int:
         from kvledger.launch.router_client import route
         return route(args.prompt, url=args.url, salt=args.salt, max_tokens=args.max_tokens, model=args.model,
-                     chat=args.chat, stream=args.stream, api_key=args.api_key)
+                     chat=args.chat, stream=args.stream, api_key=args.api_key, router_index=args.router_index)
     return run
 
 
@@ -164,11 +170,15 @@ def _monitor(p: argparse.ArgumentParser) -> Run:
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--json", action="store_true", help="newline-delimited JSON events")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: Ctrl-C)")
-    p.add_argument("--url", default=None)
+    p.add_argument("--url", default=None,
+                   help="router URL (default: the running cluster's first replica that is ready, else :8000)")
+    p.add_argument("--router-index", type=int, default=None, metavar="I",
+                   help="the running cluster's router replica I (0-based; each replica has its own index)")
 
     def run(args: argparse.Namespace) -> int:
         from kvledger.launch.router_client import monitor
-        return monitor(url=args.url, rank=args.rank, as_json=args.json, seconds=args.seconds)
+        return monitor(url=args.url, rank=args.rank, as_json=args.json, seconds=args.seconds,
+                       router_index=args.router_index)
     return run
 
 

@@ -187,7 +187,7 @@ class ForeignFeed:
         overlay.stats.blocks_mapped += n
         return BlockStored(out, None if ev.parent_block_hash is None else parent, ev.token_ids, ev.block_size,
                            ev.lora_id, ev.medium, ev.lora_name, salt, ev.priority, ev.group_idx,
-                           ev.kv_cache_spec_kind)
+                           ev.kv_cache_spec_kind, kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window)
 
     def _release(self, overlay: _Overlay, foreign: int) -> int | None:
         entry = overlay.get(foreign)

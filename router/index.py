@@ -33,6 +33,13 @@ and ``chain_prefixes`` finds that place by bisection: one lookup every 32
 blocks, then five per distinct match length, instead of one per block. Ranks
 with orphans, or holdings of unknown parents (a snapshot), are walked block by
 block as ``longest_prefixes`` walks any sequence of hashes.
+
+A model with attention windows (VSWA) publishes its blocks per KV cache group
+(``group_idx``). The flat maps hold group 0, as for every model; a rank whose
+events name another group or a sliding window keeps its groups in
+``router/groups.py`` too, and a probe answers for it by the safe-prefix rule:
+a prefix counts only as far as every group can serve it. Ranks without
+windows pay one check per probe and per event for this.
 """
 from __future__ import annotations
 
@@ -45,8 +52,10 @@ from itertools import chain, compress, repeat
 from operator import and_, ne, not_, or_
 from typing import Protocol
 
-from kvledger.worker.wire.events import (EVENT_CLASS, BatchView, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
-                                         KVCacheCreated, Medium, check_event, check_hash, check_medium, decode_view)
+from kvledger.router.groups import RankGroups, is_windowed
+from kvledger.worker.wire.events import (EVENT_CLASS, AllBlocksCleared, BatchView, BlockRemoved, BlockStored,
+                                         BlockUpdated, EventBatch, KVCacheCreated, Medium, check_event, check_hash,
+                                         check_medium, decode_view)
 
 _DEV = 1                  # one device-tier ref
 _HOST = 1 << 32           # one host-tier ref
@@ -134,13 +143,15 @@ class _Feed:
     kids: dict[int, int] = field(default_factory=dict)   # hash -> held blocks whose parent it is
     orphans: int = 0          # held blocks whose parent is not held
     untracked: bool = False   # holds blocks of unknown parent: chains are walked block by block
+    groups: RankGroups | None = None   # a windowed rank's KV cache groups (its blocks of groups 1..)
+    rank: int = -1
 
 
 class PrefixIndex:
     """Block hash -> holding ranks and tiers, from numbered event batches (see the module docstring)."""
 
     __slots__ = ("tokens_per_block", "stats", "_holders", "_host_only", "_feeds", "_slot_rank", "_free_slots",
-                 "_block_sizes", "_parents", "_walked", "_mask_ranks")
+                 "_block_sizes", "_parents", "_walked", "_mask_ranks", "_windowed")
 
     def __init__(self, tokens_per_block: int) -> None:
         if type(tokens_per_block) is not int or tokens_per_block <= 0:
@@ -156,6 +167,7 @@ class PrefixIndex:
         self._parents: dict[int, int | None] = {}  # hash -> its parent; also stale entries, dropped in bulk
         self._walked = 0                          # mask of the ranks with orphans or untracked holdings
         self._mask_ranks: dict[int, tuple[int, ...]] = {}   # mask -> its ranks, for answers (holder sets repeat)
+        self._windowed: dict[int, _Feed] = {}   # rank -> its feed, for ranks whose models have attention windows
 
     # --- reading ------------------------------------------------------------
 
@@ -203,7 +215,7 @@ class PrefixIndex:
         n = len(hashes)
         active = self._holders.get(hashes[0], 0) if n else 0
         if not active:
-            return {}
+            return self._answer_windowed(hashes, {}) if self._windowed and n else {}
         return self._answer(hashes, self._walk(hashes, active))
 
     def chain_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
@@ -217,7 +229,7 @@ class PrefixIndex:
         n = len(hashes)
         active = holders.get(hashes[0], 0) if n else 0
         if not active:
-            return {}
+            return self._answer_windowed(hashes, {}) if self._windowed and n else {}
         if active & self._walked:
             return self._answer(hashes, self._walk(hashes, active))
         # Each rank of ``first`` holds a prefix of the chain, so the ranks of ``first`` holding block j only
@@ -297,6 +309,16 @@ class PrefixIndex:
                 assert rank is not None, "a freed slot's bit was left in a mask"
                 out[rank] = (matched, host.get(low, 0))
                 bits ^= low
+        return self._answer_windowed(hashes, out) if self._windowed else out
+
+    def _answer_windowed(self, hashes: Sequence[int], out: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+        """``out`` with each windowed rank's match by the safe-prefix rule over its groups instead."""
+        for rank, feed in self._windowed.items():
+            found = feed.groups.match(feed.refs, hashes, self.block_size(rank))
+            if found[0]:
+                out[rank] = found
+            else:
+                out.pop(rank, None)
         return out
 
     def _ranks_of(self, mask: int) -> tuple[int, ...]:
@@ -356,6 +378,8 @@ class PrefixIndex:
         _check_rank(rank)
         _check_seq(next_seq, "next_seq")
         refs: dict[int, int] = {}
+        grouped: list[tuple[int, int, int]] = []   # (group, hash, unit) of groups 1..
+        described: dict[int, tuple[str | None, int | None]] = {}   # group -> (kind, window), where windowed
         for i, b in enumerate(blocks):
             try:
                 h, medium = b.block_hash, b.medium
@@ -365,7 +389,15 @@ class PrefixIndex:
             h = check_hash(h, f"blocks[{i}].block_hash")
             if check_medium(medium, f"blocks[{i}].medium") is None:
                 raise ValueError(f"blocks[{i}].medium must be 'GPU' or 'CPU', got None")
-            refs[h] = refs.get(h, 0) + _tier_unit(medium)
+            g, kind = getattr(b, "group_idx", 0), getattr(b, "kv_cache_spec_kind", None)
+            if type(g) is not int or g < 0:
+                raise ValueError(f"blocks[{i}].group_idx must be an int >= 0, got {g!r}")
+            if is_windowed(g, kind):
+                described[g] = (kind, getattr(b, "kv_cache_spec_sliding_window", None))
+            if g:
+                grouped.append((g, h, _tier_unit(medium)))
+            else:
+                refs[h] = refs.get(h, 0) + _tier_unit(medium)
         feed = self._feeds.get(rank)
         if feed is None:
             feed = self._new_feed(rank)
@@ -373,12 +405,17 @@ class PrefixIndex:
             self._purge(feed)
         feed.next_seq, feed.awaiting_snapshot = next_seq, False
         self._install(feed, refs)
+        for g, (kind, window) in described.items():
+            self._groups_of(feed).describe(g, kind, window)
+        for g, h, unit in grouped:
+            self._groups_of(feed).add(g, h, unit)
         self._settle(feed)
         self.stats.snapshots_loaded += 1
 
     def remove_rank(self, rank: int) -> None:
         """Forget ``rank`` at once (it died): its blocks and its numbering. Unknown ranks are ignored."""
         feed = self._feeds.pop(rank, None)
+        self._windowed.pop(rank, None)
         if feed is not None:
             self._purge(feed)
             self._walked &= ~feed.bit
@@ -398,8 +435,15 @@ class PrefixIndex:
         else:
             slot = len(self._slot_rank)
             self._slot_rank.append(rank)
-        feed = self._feeds[rank] = _Feed(0, 1 << slot)
+        feed = self._feeds[rank] = _Feed(0, 1 << slot, rank=rank)
         return feed
+
+    def _groups_of(self, feed: _Feed) -> RankGroups:
+        """The groups of ``feed``'s rank, which its events just showed to be windowed."""
+        if feed.groups is None:
+            feed.groups = RankGroups()
+            self._windowed[feed.rank] = feed
+        return feed.groups
 
     def _ranks_in(self, mask: int) -> list[int]:
         out = []
@@ -465,11 +509,14 @@ class PrefixIndex:
         holders = self._holders
         hget = holders.get
         bit = feed.bit
-        cleared: list[dict[int, int]] = []   # the holdings each clear dropped, for a roll-back
+        cleared: list[tuple[dict[int, int], dict[int, dict[int, int]] | None]] = []   # what each clear dropped
         for i, ev in enumerate(events):
             t = EVENT_CLASS[type(ev)]
             refs = feed.refs
             if t is BlockStored:
+                if ev.group_idx or feed.groups is not None or ev.kv_cache_spec_kind == "sliding_window":
+                    if self._commit_grouped(feed, t, ev):
+                        continue
                 hs = ev.block_hashes
                 if ev.medium != "CPU" and refs.keys().isdisjoint(hs):
                     # The common case, new device blocks: one C-level update for the refs.
@@ -483,6 +530,12 @@ class PrefixIndex:
                 for h, parent in zip(hs, chain((ev.parent_block_hash,), hs)):
                     self._add(feed, h, unit, parent)
             elif t is BlockRemoved:
+                if ev.group_idx or feed.groups is not None:
+                    done = self._commit_grouped(feed, t, ev)
+                    if done is None:
+                        return self._group_diverged(feed, events, i, cleared)
+                    if done:
+                        continue
                 unit = _tier_unit(ev.medium)
                 hs = ev.block_hashes
                 if unit == _DEV and self._drop_run(feed, hs):
@@ -505,7 +558,10 @@ class PrefixIndex:
                         self._roll_back(feed, events, i, j, cleared)
                         return _diverged(i, "removes", h, unit)
             elif t is BlockUpdated:
-                if _is_move(ev):
+                if ev.group_idx:
+                    if self._commit_grouped(feed, t, ev) is None:
+                        return self._group_diverged(feed, events, i, cleared)
+                elif _is_move(ev):
                     old = _tier_unit(ev.old_medium)
                     if not _held(refs.get(ev.block_hash, 0), old):
                         self._roll_back(feed, events, i, 0, cleared)
@@ -514,9 +570,46 @@ class PrefixIndex:
                     self._add(feed, ev.block_hash, _tier_unit(ev.new_medium), _UNKNOWN)
                     self._sub(feed, ev.block_hash, old)
             else:  # AllBlocksCleared, or KVCacheCreated opening batch 0
-                cleared.append(refs)
+                cleared.append((refs, None if feed.groups is None else feed.groups.refs))
                 self._purge(feed)
         return None
+
+    def _group_diverged(self, feed: _Feed, events: Sequence[object], i: int,
+                        cleared: list[tuple[dict[int, int], dict[int, dict[int, int]] | None]]) -> str:
+        """Roll the batch back before ``events[i]``, whose group does not hold what it removes or moves."""
+        self._roll_back(feed, events, i, 0, cleared)
+        return f"events[{i}] removes or moves a block that group {events[i].group_idx} does not hold: the index has " \
+               "diverged"
+
+    def _commit_grouped(self, feed: _Feed, t: type, ev: object) -> bool | None:
+        """Apply an event of a windowed rank's group 1.. (``True``), or describe its group 0 and leave the event to
+        the flat maps (``False``); ``None``, changing nothing, for a removal or move of a block the group does not
+        hold (the caller rolls back)."""
+        g = ev.group_idx
+        if t is BlockStored:
+            self._groups_of(feed).describe(g, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
+            if not g:
+                return False
+            unit = _tier_unit(ev.medium)
+            for h in ev.block_hashes:
+                feed.groups.add(g, h, unit)
+            return True
+        if not g:
+            return False
+        groups = self._groups_of(feed)
+        if t is BlockRemoved:
+            unit = _tier_unit(ev.medium)
+            for j, h in enumerate(ev.block_hashes):
+                if not groups.sub(g, h, unit):
+                    for back in reversed(ev.block_hashes[:j]):
+                        groups.add(g, back, unit)
+                    return None
+            return True
+        if _is_move(ev):
+            if not groups.sub(g, ev.block_hash, _tier_unit(ev.old_medium)):
+                return None
+            groups.add(g, ev.block_hash, _tier_unit(ev.new_medium))
+        return True
 
     def _roll_back(self, feed: _Feed, events: Sequence[object], i: int, j: int,
                    cleared: list[dict[int, int]]) -> None:
@@ -529,7 +622,9 @@ class PrefixIndex:
                 self._add(feed, h, unit, parents.get(h, _UNKNOWN))
         for ev in reversed(events[:i]):
             t = EVENT_CLASS[type(ev)]
-            if t is BlockStored:
+            if t is not AllBlocksCleared and t is not KVCacheCreated and ev.group_idx:
+                self._undo_grouped(feed.groups, t, ev)
+            elif t is BlockStored:
                 unit = _tier_unit(ev.medium)
                 for h in reversed(ev.block_hashes):
                     self._sub(feed, h, unit)
@@ -542,7 +637,24 @@ class PrefixIndex:
                     self._add(feed, ev.block_hash, _tier_unit(ev.old_medium), _UNKNOWN)
                     self._sub(feed, ev.block_hash, _tier_unit(ev.new_medium))
             else:   # the holdings are empty again, as right after the clear
-                self._install(feed, cleared.pop())
+                refs, grouped = cleared.pop()
+                self._install(feed, refs)
+                if grouped is not None:
+                    feed.groups.refs = grouped
+
+    @staticmethod
+    def _undo_grouped(groups: RankGroups, t: type, ev: object) -> None:
+        """Undo an applied event of a group 1.."""
+        g = ev.group_idx
+        if t is BlockStored:
+            for h in reversed(ev.block_hashes):
+                groups.sub(g, h, _tier_unit(ev.medium))
+        elif t is BlockRemoved:
+            for h in reversed(ev.block_hashes):
+                groups.add(g, h, _tier_unit(ev.medium))
+        elif _is_move(ev):
+            groups.add(g, ev.block_hash, _tier_unit(ev.old_medium))
+            groups.sub(g, ev.block_hash, _tier_unit(ev.new_medium))
 
     def _add(self, feed: _Feed, h: int, unit: int, parent: object) -> None:
         """One more ref on ``h``; ``parent`` is its parent if this makes the rank hold it (else unused)."""
@@ -718,6 +830,8 @@ class PrefixIndex:
                 else:
                     del host_only[h]
         feed.refs, feed.kids, feed.orphans, feed.untracked = {}, {}, 0, False
+        if feed.groups is not None:
+            feed.groups.clear()
 
     def _restart(self, feed: _Feed, reason: str) -> ApplyResult:
         """The rank's cache is gone: drop its stale blocks now and wait for its snapshot."""

@@ -17,6 +17,7 @@ import torch
 from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError, Request
+from kvledger.worker.wire.events import BlockRemoved
 
 ATOL = RTOL = 1e-4
 T = 4
@@ -444,3 +445,70 @@ def test_layers_with_different_kv_heads_reused_offloaded_and_onboarded(device: s
     assert beams.cached_tokens == 31
     for beam, last in zip(beams.beams, beams.last_logits):
         assert torch.allclose(last, scratch_logits(engine, cfg, a2.tokens + beam)[-1], atol=ATOL, rtol=RTOL)
+
+
+# --- attention windows (VSWA): a query at p attends to keys at p - window < q <= p ------------------------------
+
+GEMMA = dict(attention_windows=(8, None))   # layer 0 slides over 8 tokens (window 0), layer 1 sees all (window 1)
+
+
+def test_a_sliding_window_layer_never_reads_past_its_window() -> None:
+    """The oracle's own window: with every layer sliding over 8 tokens, two layers see 15 tokens back, so a change
+    at position 0 of a 20-token prompt leaves the last logits alone and a change inside the window does not."""
+    cfg = make_config(attention_windows=(8,))
+    engine = ReferenceEngine(cfg, seed=3)
+    base = tokens(20, seed=40)
+    far, near = [(base[0] + 1) % 256, *base[1:]], [*base[:-3], (base[-3] + 1) % 256, *base[-2:]]
+    logits = [serve_one(engine, KVCacheManager(cfg), req(t, max_new=1)).last_logits for t in (base, far, near)]
+    assert torch.allclose(logits[0], logits[1], atol=ATOL, rtol=RTOL)
+    assert not torch.allclose(logits[0], logits[2], atol=ATOL, rtol=RTOL)
+    wide = make_config(attention_windows=(64,))   # a window past the sequence is full attention
+    assert torch.allclose(serve_one(ReferenceEngine(wide, seed=3), KVCacheManager(wide), req(base, 1)).last_logits,
+                          serve_one(ReferenceEngine(make_config(), seed=3), KVCacheManager(make_config()),
+                                    req(base, 1)).last_logits, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sliding_window_model_served_from_reused_blocks(device: str) -> None:
+    cfg = make_config(device=device, **GEMMA)
+    engine, mgr = ReferenceEngine(cfg, seed=6), KVCacheManager(cfg)
+    a = req(tokens(30, seed=41), max_new=12)   # decoding slides window 0 past the prompt's blocks
+    serve_one(engine, mgr, a)
+    assert_matches_scratch(engine, cfg, a, a_res := serve_one(engine, KVCacheManager(cfg), req(a.tokens, 12)))
+    assert a_res.cached_tokens == 0
+    a2 = req(a.tokens[:28] + tokens(9, seed=42), max_new=10)
+    got = serve_one(engine, mgr, a2)
+    assert got.cached_tokens == 28
+    assert_matches_scratch(engine, cfg, a2, got)
+
+
+def test_a_sliding_window_model_served_from_partially_reused_blocks() -> None:
+    """Window 0 (8 tokens) lost the early blocks of a finished turn (they slid out while it decoded, then were
+    evicted), window 1 (full attention) kept them: the next turn still reuses the whole turn, since window 0 needs
+    only the blocks of the last 8 tokens before the first position it computes."""
+    cfg = make_config(window_blocks=((12, 0), (64, 0)), **GEMMA)
+    engine, mgr = ReferenceEngine(cfg, seed=7), KVCacheManager(cfg)
+    a = req(tokens(30, seed=43), max_new=8)
+    turn = a.tokens + serve_one(engine, mgr, a).output_tokens[:6]   # 36 tokens: 9 stored blocks
+    mgr.take_events()
+    serve_one(engine, mgr, req(tokens(32, seed=44), max_new=1))   # evicts 6 of window 0's blocks of the turn
+    gone = {h for e in mgr.take_events() if isinstance(e, BlockRemoved) and e.group_idx == 0 for h in e.block_hashes}
+    assert len(gone) >= 6 and not any(isinstance(e, BlockRemoved) and e.group_idx == 1 for e in mgr.take_events())
+    a2 = req(turn + tokens(5, seed=45), max_new=6)
+    assert mgr.probe_prefix_match_length(a2.tokens) == 36
+    got = serve_one(engine, mgr, a2)
+    assert got.cached_tokens == 36
+    assert_matches_scratch(engine, cfg, a2, got)
+
+
+def test_a_sliding_window_model_served_from_onboarded_blocks() -> None:
+    cfg = make_config(window_blocks=((12, 32), (12, 32)), **GEMMA)
+    engine, mgr = ReferenceEngine(cfg, seed=8), KVCacheManager(cfg)
+    a = req(tokens(30, seed=46), max_new=2)
+    serve_one(engine, mgr, a)
+    serve_one(engine, mgr, req(tokens(44, seed=47), max_new=1))   # a's blocks go to the host tier
+    assert mgr.stats().offloaded_blocks > 0
+    a2 = req(a.tokens[:28] + tokens(6, seed=48), max_new=5)
+    got = serve_one(engine, mgr, a2)
+    assert got.cached_tokens == 28 and got.onboarded_blocks > 0
+    assert_matches_scratch(engine, cfg, a2, got)

@@ -34,6 +34,10 @@ VLLM_ARRAY = bytes.fromhex(
 )
 
 
+#: Where vLLM's array BlockStored carries the fields past ``lora_name`` (it has no cache_salt or priority).
+VLLM_STORED_SLOTS = {"extra_keys": 8, "group_idx": 9, "kv_cache_spec_kind": 10, "kv_cache_spec_sliding_window": 11}
+
+
 def make_stored(**kw: object) -> BlockStored:
     """A small valid BlockStored; keywords override fields."""
     base: dict[str, object] = dict(block_hashes=[H1, H2], parent_block_hash=None,
@@ -45,7 +49,7 @@ EDGE_EVENTS: list[KVEvent] = [
     make_stored(),
     make_stored(block_hashes=[0, U64_MAX], parent_block_hash=U64_MAX, lora_id=3, medium="CPU",
                 lora_name="adapter-a", cache_salt="salt", priority=100, group_idx=2,
-                kv_cache_spec_kind="sliding_window"),
+                kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=512),
     make_stored(block_hashes=[], token_ids=[], parent_block_hash=0, medium=None, priority=0),
     BlockRemoved(block_hashes=[0, U64_MAX]),
     BlockRemoved(block_hashes=[H1], medium="CPU", group_idx=1),
@@ -56,6 +60,7 @@ EDGE_EVENTS: list[KVEvent] = [
     BlockUpdated(block_hash=U64_MAX, old_medium="GPU", new_medium="CPU"),
     BlockUpdated(block_hash=0, old_priority=35, new_priority=90),
     BlockUpdated(block_hash=H1),
+    BlockUpdated(block_hash=H2, old_medium="CPU", new_medium="GPU", group_idx=1),
 ]
 
 EXPECTED_VLLM = EventBatch(
@@ -78,7 +83,7 @@ def vllm_array(e: KVEvent) -> list[object]:
     """``e`` in vLLM's array layout (our own kinds: fields in declaration order after the tag)."""
     if isinstance(e, BlockStored):
         return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
-                e.medium, e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind]
+                e.medium, e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window]
     return [type(e).__name__, *(getattr(e, f.name) for f in dataclasses.fields(e))]
 
 
@@ -193,6 +198,7 @@ BAD_BY_FIELD: dict[str, list[object]] = {
     "priority": [-1, 101, True, 1.5, "1"],
     "group_idx": [-1, True, None, 1.5, "0"],
     "kv_cache_spec_kind": [1, True, b"full", []],
+    "kv_cache_spec_sliding_window": [0, -1, True, 1.5, "512", []],
     "extra_keys": [1, "salt", {}, [1], ["salt"], [{}]],
     "num_blocks": [None, [], 5, {"GPU": -1}, {"GPU": True}, {"GPU": 1.5}, {"GPU": None}, {b"GPU": 1}],
     "block_hash": [None, -1, True, 1.5, "h", b"", [H1]],
@@ -217,7 +223,7 @@ def corrupted(template: KVEvent, name: str, bad: object, layout: str) -> bytes:
         good_raw, raw = vllm_array(good), vllm_array(template)
         slot = 1 + [f.name for f in dataclasses.fields(template)].index(name)
         if isinstance(template, BlockStored):
-            slot = {"extra_keys": 8, "group_idx": 9, "kv_cache_spec_kind": 10}.get(name, slot)
+            slot = VLLM_STORED_SLOTS.get(name, slot)
         raw[slot] = bad
     return wire([1.0, [good_raw, raw, good_raw], 0])
 
@@ -350,7 +356,7 @@ def test_generated_bad_field_anywhere_rejects_the_batch(data: st.DataObject, eve
             names = [f.name for f in dataclasses.fields(events[i])]
             slot = 1 + names.index(name)
             if isinstance(events[i], BlockStored):
-                slot = {"extra_keys": 8, "group_idx": 9, "kv_cache_spec_kind": 10}.get(name, slot)
+                slot = VLLM_STORED_SLOTS.get(name, slot)
             raw[slot] = bad
     assert rejects(wire([1.0, raws, 0])).startswith(f"events[{i}]:")
 
@@ -470,3 +476,43 @@ def test_view_checks_token_ids_as_decode_batch_does() -> None:
 @pytest.mark.parametrize("data", [VLLM_MAP, VLLM_ARRAY], ids=["map", "array"])
 def test_view_reads_both_vllm_layouts(data: bytes) -> None:
     assert view_as_batch(data) == decode_batch(data)
+
+
+# --- KV cache groups (attention windows) --------------------------------------------------------------------------
+
+GROUPED_VLLM = [
+    {"type": "BlockStored", "block_hashes": [H1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+     "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None, "group_idx": 1,
+     "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 512},
+    {"type": "BlockRemoved", "block_hashes": [H1], "medium": "GPU", "group_idx": 1},
+]
+
+
+@pytest.mark.parametrize("layout", ["map", "array"])
+def test_vllm_group_fields_decode_in_both_layouts_and_both_decoders(layout: str) -> None:
+    raws = GROUPED_VLLM if layout == "map" else [["BlockStored", [H1], None, [1, 2, 3, 4], 4, None, "GPU", None, None,
+                                                  1, "sliding_window", 512], ["BlockRemoved", [H1], "GPU", 1]]
+    data = wire([1.0, raws, 0])
+    stored, removed = decode_batch(data).events
+    assert (stored.group_idx, stored.kv_cache_spec_kind, stored.kv_cache_spec_sliding_window) == (1, "sliding_window",
+                                                                                                  512)
+    assert removed.group_idx == 1
+    view = decode_view(data).events
+    assert [(e.group_idx, getattr(e, "kv_cache_spec_sliding_window", None)) for e in view] == [(1, 512), (1, None)]
+    assert decode_batch(encode_batch(decode_batch(data))) == decode_batch(data)
+
+
+def test_batches_without_the_group_fields_take_their_defaults() -> None:
+    """vLLM before groups, and our own batches from before ``kv_cache_spec_sliding_window`` and
+    ``BlockUpdated.group_idx``: one window, group 0."""
+    old_ours = [{k: v for k, v in GROUPED_VLLM[0].items() if not k.startswith("kv_cache_spec_sliding")},
+                {"type": "BlockUpdated", "block_hash": H2, "old_medium": "GPU", "new_medium": "CPU",
+                 "old_priority": None, "new_priority": None}]
+    old_ours[0]["group_idx"] = 0
+    stored, updated = decode_batch(wire([1.0, old_ours, 0])).events
+    assert (stored.group_idx, stored.kv_cache_spec_sliding_window, updated.group_idx) == (0, None, 0)
+    stored, = decode_batch(wire([1.0, [{k: v for k, v in GROUPED_VLLM[0].items() if "kv_cache_spec" not in k
+                                        and k != "group_idx"}], 0])).events
+    assert (stored.group_idx, stored.kv_cache_spec_kind, stored.kv_cache_spec_sliding_window) == (0, None, None)
+    with pytest.raises(EventDecodeError, match="kv_cache_spec_sliding_window: expected a positive int"):
+        decode_batch(wire([1.0, [{**GROUPED_VLLM[0], "kv_cache_spec_sliding_window": 0}], 0]))

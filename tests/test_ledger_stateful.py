@@ -1,6 +1,8 @@
 """Random workloads on a small two-tier ledger: the books balance and reused KV is right after every step."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
@@ -8,7 +10,7 @@ from hypothesis.internal.cache import LRUCache
 from hypothesis.internal.conjecture import providers
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
-from ledger_helpers import FakeClock, make_manager, read_kv, serve, token_value, write_kv
+from ledger_helpers import FakeClock, make_manager, make_windowed_manager, read_kv, serve, token_value, write_kv
 
 from kvledger.worker.ledger import OutOfBlocksError, Request, RetentionConfig, TokenRange
 
@@ -53,15 +55,19 @@ class LedgerMachine(RuleBasedStateMachine):
         self.pinned: list[int] = []
         self.served: list[tuple[list[int], str | None]] = []
         self.next_id = 0
+        self.can_pin = True
 
     def _admitted(self, reqs: list[Request], prepops: list[int]) -> None:
+        layouts = self.mgr.config.window_layouts
         for r, pre in zip(reqs, prepops):
             LedgerMachine.reused += pre > 0
             LedgerMachine.onboarded += self.mgr.admission(r.request_id).onboarded_blocks
             assert 0 <= pre <= len(r.tokens) - 1, "the last prompt token is never reused"
-            for pos in range(pre):  # reused KV is exactly what was computed for this prefix
-                assert read_kv(self.mgr, r.request_id, pos) == token_value(tuple(r.tokens[:pos + 1]), r.lora_id,
-                                                                           r.cache_salt)
+            for w, layout in enumerate(layouts):   # reused KV is exactly what was computed for this prefix,
+                for pos in range(pre):             # and every window holds what the first computed query reads
+                    kv = read_kv(self.mgr, r.request_id, pos, w)
+                    assert kv is not None or layout.window is not None and pos <= pre - layout.window
+                    assert kv in (None, token_value(tuple(r.tokens[:pos + 1]), r.lora_id, r.cache_salt))
             start, end = self.mgr.context_chunk(r.request_id)
             assert start == pre
             write_kv(self.mgr, r, start, end, r.tokens)
@@ -112,11 +118,11 @@ class LedgerMachine(RuleBasedStateMachine):
         keep = RetentionConfig(ranges=[TokenRange(0, None, priority)])
         r = Request(self.next_id, prompt, retention=keep)
         self.next_id += 1
-        if self.mgr.stats().free_num_blocks < 3:
+        if min(w.free_num_blocks for w in self.mgr.stats().windows) < 3:
             return
         serve(self.mgr, r)
         self.mgr.remove_sequence(r.request_id)
-        free = self.mgr.stats().free_num_blocks
+        free = min(w.free_num_blocks for w in self.mgr.stats().windows)
         filler = Request(self.next_id, [7] * (4 * free))
         self.next_id += 1
         self.mgr.add_sequence(filler)
@@ -153,6 +159,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), pin=st.booleans())
     def remove(self, data, pin):
         rid = data.draw(st.sampled_from(sorted(self.running)))
+        pin = pin and self.can_pin
         self.mgr.remove_sequence(rid, pin=pin)
         del self.running[rid]
         self.context.discard(rid)
@@ -329,3 +336,88 @@ def test_chunks_fits_and_beams_keep_the_books_and_the_kv():
     # Six random seeds gave 32-94 chunks admitted, 14-59 chunks cut and 11-89 beam searches.
     assert ChunksAndBeams.chunks > 20 and ChunksAndBeams.cuts > 8 and ChunksAndBeams.beams > 8, (
         ChunksAndBeams.chunks, ChunksAndBeams.cuts, ChunksAndBeams.beams)
+
+
+class Windows(ChunksAndBeams):
+    """The same workloads (one beam each) on a model whose layer 0 slides over 8 tokens and layer 1 sees all:
+    decode releases what slides out, reuse takes a window's tail only, and the safe-prefix rule decides."""
+
+    slid = 0
+    tails = 0
+
+    @initialize(partial=st.booleans(), chunk=st.sampled_from([None, 4, 8]), offload_min=st.sampled_from([0, 30]))
+    def setup(self, partial, chunk, offload_min):
+        super().setup(partial, chunk or 4, offload_min)
+        self.mgr = make_windowed_manager(blocks=((24, 8), (24, 8)), clock=self.clock, context_chunk_size=chunk,
+                                         offload_min_priority=offload_min)
+        self.can_pin = False   # a migration of a windowed model is refused
+
+    @rule(tokens=st.lists(prompts, min_size=1, max_size=3))
+    def add_beams(self, tokens):
+        """One long prompt (beam search is refused with windows)."""
+        self._admit_one([t for p in tokens for t in p])
+
+    @rule(tokens=st.lists(prompts, min_size=2, max_size=3), n=st.integers(1, 9))
+    def next_turn(self, tokens, n):
+        """A long prompt decodes ``n`` tokens (window 0 slides) and finishes; the next turn repeats prompt and
+        output and reuses them: window 0 only from the blocks its first query reads."""
+        prompt = [t for p in tokens for t in p]
+        if not self._admit_one(prompt) or self.next_id - 1 in self.context:
+            return
+        rid = self.next_id - 1
+        self.mgr.store_context_blocks(rid)
+        out = [(rid + i) % 7 for i in range(n)]
+        for i, t in enumerate(out):
+            try:
+                self.mgr.add_token(rid, 1, tokens=[t])
+            except OutOfBlocksError:
+                break
+            self.tokens[rid].append(t)
+            write_kv(self.mgr, self.running[rid], len(self.tokens[rid]) - 1, len(self.tokens[rid]), self.tokens[rid])
+        turn = list(self.tokens[rid])
+        self.mgr.remove_sequence(rid)
+        del self.running[rid]
+        self.decoding.discard(rid)
+        self._admit_one(turn + [1])
+
+    @rule(tokens=st.lists(prompts, min_size=1, max_size=3))
+    def schedule_round(self, tokens):
+        """A round over both windows: reservations and a tentative release leave every window's books alone."""
+        def books() -> tuple[object, list[tuple[int, int, int]]]:
+            return self.mgr.stats(), [(b.ref_count, b.level, b.tier) for w in (0, 1) for b in self.mgr.window_blocks(w)]
+
+        before = books()
+        self.mgr.start_scheduling()
+        free = self.mgr.scheduling_num_free_blocks
+        paused = sorted(self.running)[:1]
+        held = sum(bid >= 0 for rid in paused for w in (0, 1) for bid in self.mgr.get_block_ids(rid, window=w))
+        for rid in paused:
+            self.mgr.scheduling_remove_sequence(rid)
+        for t in tokens:
+            with contextlib.suppress(OutOfBlocksError):
+                assert self.mgr.scheduling_add_sequence(Request(10**6 + self.next_id, t, max_new_tokens=4)) >= 0
+        assert self.mgr.scheduling_num_free_blocks <= free + held
+        assert books() == before
+        DraftsAndRounds.rounds += 1
+
+    def _admitted(self, reqs: list[Request], prepops: list[int]) -> None:
+        super()._admitted(reqs, prepops)
+        Windows.tails += sum(self.mgr.get_block_ids(r.request_id, window=0)[0] < 0 for r in reqs)
+
+    @invariant()
+    def beams_share_the_context(self):
+        """Every window has a position per block; window 0 keeps placeholders only where no query reads: a query
+        at the next position ``n`` reads the keys from ``n - 7`` on."""
+        for rid in self.running:
+            ids = [self.mgr.get_block_ids(rid, window=w) for w in range(2)]
+            assert len(ids[0]) == len(ids[1]) and -1 not in ids[1]
+            Windows.slid += ids[0][0] < 0
+            assert -1 not in ids[0][max(0, self.mgr.num_tokens(rid) - 7) // 4:]
+
+
+def test_attention_windows_keep_the_books_and_the_kv():
+    LedgerMachine.steps = Windows.slid = Windows.tails = ChunksAndBeams.chunks = DraftsAndRounds.rounds = 0
+    run_derandomized(Windows, max_examples=40)
+    assert LedgerMachine.steps >= 1500, f"only {LedgerMachine.steps} steps ran"
+    assert Windows.slid > 50 and Windows.tails > 5 and ChunksAndBeams.chunks > 5 and DraftsAndRounds.rounds > 20, (
+        Windows.slid, Windows.tails, ChunksAndBeams.chunks, DraftsAndRounds.rounds)

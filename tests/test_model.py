@@ -59,17 +59,19 @@ def dense_logits(model: TinyDecoder, tokens: list[int], kv_dtype: torch.dtype,
         return torch.cat((a * cos - b * sin, b * cos + a * sin), -1)
 
     causal = torch.ones(n, n, dtype=torch.bool).tril()
+    back = torch.arange(n)[:, None] - torch.arange(n)[None, :]   # query position - key position
     x = w.embed[torch.tensor(tokens)]
     if lora_id is not None:
         x = x + lora_vector(x.shape[1], model.seed, lora_id)
-    for lw, kv_heads in zip(w.layers, cfg.kv_heads_per_layer):
+    for lw, kv_heads, window in zip(w.layers, cfg.kv_heads_per_layer, cfg.layer_windows):
+        seen = causal if window is None else causal & (back < window)   # a window of w keys, the query's own included
         h = norm(x, lw.attn_norm)
         q = rot((h @ lw.wq).view(n, heads, d))
         k = rot((h @ lw.wk).view(n, kv_heads, d)).to(kv_dtype).float()
         v = (h @ lw.wv).view(n, kv_heads, d).to(kv_dtype).float()
         k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
         x = x + torch.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * d) @ lw.wo
         h = norm(x, lw.mlp_norm)
         x = x + (torch.nn.functional.silu(h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down
@@ -224,6 +226,31 @@ def test_layers_with_different_kv_heads_keep_their_kv_in_one_pool_per_count(devi
         assert pool[1].isnan().all() and pool[12, :, :, 1:].isnan().all()
     with pytest.raises(ValueError, match="2 pools, got 1"):
         model.forward(pools[0], bt, [toks[:1]], [0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sliding_window_layer_reads_only_its_window_through_its_own_pool(device: str) -> None:
+    """Gemma-style: layer 0 slides over 8 tokens, layer 1 attends to everything, each window with its own pool and
+    row of the block table. The second chunk starts at 16: window 0's blocks 0 and 1 (positions 0..7) are
+    placeholders, their old slots poisoned with NaN, and the logits still equal the dense windowed recompute."""
+    cfg = CacheConfig(tokens_per_block=4, num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                      device=device, attention_windows=(8, None), window_blocks=((16, 0), (16, 0)))
+    model = TinyDecoder(cfg, seed=6)
+    pools = [torch.full((16, *shape), float("nan"), device=device) for shape in cfg.block_shapes]
+    toks = prompt(21, seed=8)
+    first = torch.tensor([[[5, 9, 2, 11, -1, -1], [0, 1, 2, 3, -1, -1]]], dtype=torch.int32)
+    model.forward(pools, first, [toks[:16]], [0])
+    pools[0][5] = pools[0][9] = float("nan")
+    second = torch.tensor([[[-1, -1, 2, 11, 7, 8], [0, 1, 2, 3, 4, 5]]], dtype=torch.int32)
+    out = model.forward(pools, second, [toks[16:]], [16])
+    dense = dense_logits(model, toks, torch.float32)
+    assert close(out, dense[16:])
+    assert not close(dense[16:], dense_logits(TinyDecoder(make_config(device), seed=6), toks, torch.float32)[16:])
+    with pytest.raises(ValueError, match="names no valid pool slot"):   # position 9 is read from 16 on
+        model.forward(pools, torch.tensor([[[-1, -1, -1, 11, 7, 8], [0, 1, 2, 3, 4, 5]]], dtype=torch.int32),
+                      [toks[16:]], [16])
+    with pytest.raises(ValueError, match="2 attention windows"):
+        model.forward(pools, second[:, 1], [toks[16:]], [16])
 
 
 def test_weights_are_deterministic_per_seed() -> None:

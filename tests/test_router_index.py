@@ -458,3 +458,80 @@ def test_apply_bytes_reads_no_token_ids_but_rejects_what_is_not_an_array(index):
     with pytest.raises(EventDecodeError, match="token_ids"):
         index.apply_bytes(0, 1, not_an_array)
     assert index.next_seq(0) == 1
+
+
+# --- KV cache groups (attention windows) --------------------------------------------------------------------------
+
+def group_stored(hashes, group, window=None, parent=None):
+    """A store of one KV cache group, described as vLLM and our windowed ledgers describe theirs."""
+    ev = stored(hashes, parent)
+    ev.group_idx = group
+    ev.kv_cache_spec_kind = "full_attention" if window is None else "sliding_window"
+    ev.kv_cache_spec_sliding_window = window
+    return ev
+
+
+def group_removed(hashes, group):
+    ev = removed(hashes)
+    ev.group_idx = group
+    return ev
+
+
+def matched(index, rank, n=8):
+    return index.chain_prefixes(H[:n]).get(rank, (0, 0))[0]
+
+
+def test_a_prefix_counts_for_a_windowed_rank_only_as_far_as_every_group_serves_it(index):
+    """Group 0 slides over 8 tokens (2 blocks of 4), group 1 attends to everything."""
+    index.apply(0, 0, batch(group_stored(H[:8], 0, window=8), group_stored(H[:8], 1)))
+    index.apply(1, 0, batch(stored(H[:8])))
+    assert matched(index, 0) == matched(index, 1) == 8
+    # group 0 lets its early blocks go (they slid out): the query after 8 blocks reads blocks 6 and 7 only
+    assert index.apply(0, 1, batch(group_removed(H[:5], 0))).applied
+    assert matched(index, 0) == 8 and index.refs(0, H[0]) == (0, 0)
+    assert index.chain_prefixes(H[:6]).get(0, (0, 0))[0] == 0   # 6 blocks would need blocks 4 and 5 of group 0
+    # the full-attention group loses block 3: nothing past it counts, whatever group 0 holds
+    assert index.apply(0, 2, batch(group_removed([H[3]], 1))).applied
+    assert matched(index, 0) == 0 and matched(index, 1) == 8
+    assert match_prefix(index, H[:8])[1].matched_tokens == 8 * TPB and 0 not in match_prefix(index, H[:8])
+
+
+def test_a_group_removal_of_a_block_it_does_not_hold_rolls_the_batch_back(index):
+    index.apply(0, 0, batch(group_stored(H[:6], 0, window=8), group_stored(H[:4], 1)))
+    before = state(index)[1:], matched(index, 0, 6)
+    assert before[1] == 4
+    result = index.apply(0, 1, batch(group_stored(H[4:6], 1, parent=H[3]), group_removed([H[9]], 1)))
+    assert result.status is ApplyStatus.SNAPSHOT and "group 1" in result.reason
+    assert (state(index)[1:], matched(index, 0, 6)) == before   # group 1's store of blocks 4, 5 is undone
+
+
+def test_a_snapshot_rebuilds_every_group_and_a_clear_empties_them(index):
+    from kvledger.worker.wire.batches import StoredBlock
+
+    index.apply(0, 0, batch(group_stored(H[:4], 0, window=8), group_stored(H[:4], 1)))
+    snap = [StoredBlock(h, None, [7] * TPB, "GPU", None, None, 35, group_idx=g) for g in (0, 1) for h in H[:4]]
+    index.load_snapshot(0, snap[2:4] + snap[4:], 5)   # group 0 kept only its last two blocks
+    assert matched(index, 0, 4) == 4 and index.num_blocks(0) == 2
+    assert index.apply(0, 5, batch(AllBlocksCleared())).applied
+    assert matched(index, 0, 4) == 0
+    with pytest.raises(ValueError, match="group_idx"):
+        index.load_snapshot(0, [StoredBlock(H[0], None, [7] * TPB, "GPU", None, None, 35, group_idx=-1)], 0)
+
+
+def test_vllm_style_group_maps_decode_and_index(index):
+    """vLLM's map events with its group fields (and without them, as older ones are) through the wire."""
+    import msgpack
+
+    def ev(kind, group, hashes, **kw):
+        base = {"type": kind, "block_hashes": hashes, "medium": "GPU"}
+        if kind == "BlockStored":
+            base.update(parent_block_hash=None, token_ids=[1] * TPB * len(hashes), block_size=TPB, lora_id=None,
+                        lora_name=None)
+        return {**base, **({} if group is None else {"group_idx": group}), **kw}
+
+    data = msgpack.packb([1.0, [ev("BlockStored", None, H[:4]),
+                                ev("BlockStored", 1, H[:4], kv_cache_spec_kind="sliding_window",
+                                   kv_cache_spec_sliding_window=8),
+                                ev("BlockRemoved", 1, H[:1])], 0])
+    assert index.apply_bytes(0, 0, data).applied
+    assert matched(index, 0, 4) == 4 and matched(index, 0, 1) == 0   # one block needs group 1's block 0

@@ -119,3 +119,43 @@ def test_probe_agrees_with_real_ledgers_fed_by_their_own_events():
             got = probe(index, p)
             for r, m in enumerate(managers):
                 assert got.get(r, PrefixMatch(0, 0, 0)).matched_tokens == m.probe_prefix_match_length(p), (i, r)
+
+
+def test_probe_of_ledgers_with_attention_windows_follows_the_safe_prefix_rule():
+    """A windowed ledger (layer 0 slides over 8 tokens, layer 1 sees all: two KV cache groups) and a plain one
+    under load, decoding (window 0 slides, its old blocks are released and evicted first); the index sees only
+    their wire batches, and answers what each ledger would reuse."""
+    from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request
+    from kvledger.worker.wire.events import encode_batch
+
+    rng = random.Random(7)
+    index = PrefixIndex(TPB)
+    windowed = CacheConfig(tokens_per_block=TPB, num_layers=2, attention_windows=(8, None), materialize=False,
+                           device="cpu", window_blocks=((14, 0), (24, 6)), check_integrity=True)
+    managers = [KVCacheManager(windowed, clock=lambda: 0.0),
+                KVCacheManager(CacheConfig(tokens_per_block=TPB, num_primary_blocks=24, materialize=False,
+                                           device="cpu"), clock=lambda: 0.0)]
+    systems = [[rng.randrange(50) for _ in range(4 * TPB)] for _ in range(3)]
+    prompts = [rng.choice(systems) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(30)]
+    partial = 0
+    for i, prompt in enumerate(prompts):
+        for rank, mgr in enumerate(managers):
+            rid = 100 * i + rank
+            mgr.add_sequence(Request(request_id=rid, tokens=prompt, max_new_tokens=8))
+            mgr.store_context_blocks(rid)
+            for _ in range(rng.randrange(9)):
+                mgr.add_token(rid, 1, tokens=[rng.randrange(50)])
+            mgr.remove_sequence(rid)
+            assert index.apply_bytes(rank, index.next_seq(rank), encode_batch(EventBatch(0.0, mgr.take_events(),
+                                                                                      rank))).applied
+        for p in prompts[: i + 1]:
+            got = probe(index, p)
+            for r, m in enumerate(managers):
+                assert got.get(r, PrefixMatch(0, 0, 0)).matched_tokens == m.probe_prefix_match_length(p), (i, r)
+            matched = prompt_hashes(p, TPB)[:got.get(0, PrefixMatch(0, 0, 0)).matched_blocks]
+            partial += any(index.refs(0, h) == (0, 0) for h in matched)   # a block window 0 (group 0) let go
+    assert partial > 5, "the sliding window's early blocks were never gone while the prefix still counted"
+    fresh = PrefixIndex(TPB)   # a router that lost track rebuilds the windowed rank from its snapshot alone
+    fresh.load_snapshot(0, managers[0].snapshot(), 0)
+    for p in prompts:
+        assert probe(fresh, p).get(0, PrefixMatch(0, 0, 0)).matched_tokens == managers[0].probe_prefix_match_length(p)

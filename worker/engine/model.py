@@ -7,6 +7,13 @@ whose KV was reused, onboarded or migrated are read, never recomputed. Compute
 is float32; K/V pass through the pool dtype on the way, so a path that reads
 cached KV and a path that computes from scratch see the same numbers.
 
+Layers may attend through a sliding window (``CacheConfig.attention_windows``,
+a mix of window and full layers as Gemma-style models have): a query at
+position ``p`` of a layer with a window of ``w`` tokens attends to the keys at
+positions ``p - w < q <= p``. Each window keeps its own pools and its own row
+of the block table; positions no query of the step reads may be placeholders
+(slot -1), as the ledger leaves them where a window's blocks slid out.
+
 A LoRA id stands in for an adapter as a seeded vector added to the request's
 token embeddings: it changes every K/V the request writes, which is what makes
 KV computed under one adapter invalid under another, so the oracle catches a
@@ -124,6 +131,9 @@ class TinyDecoder:
         self.weights = init_weights(config, seed)
         self._where = {layer: (i, at) for i, p in enumerate(config.pool_layouts) for at, layer in enumerate(p.layers)}
         """Layer -> (its pool, its index there)."""
+        self._window_of = {layer: g for g, lay in enumerate(config.window_layouts) for layer in lay.layers}
+        """Layer -> its attention window's index (``CacheConfig.window_layouts``)."""
+        self._pool_window = [g for g, lay in enumerate(config.window_layouts) for _ in lay.pools]
         self._on_device: dict[torch.device, DecoderWeights] = {torch.device("cpu"): self.weights}
         self._lora: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -149,8 +159,10 @@ class TinyDecoder:
 
         Request ``i`` brings ``chunks[i]``, the tokens at positions
         ``[starts[i], starts[i] + len(chunks[i]))``, and its pool slots in row ``i``
-        of ``block_table``. Positions before ``starts[i]`` must already be in the
-        pool (computed earlier or reused); they are read, not recomputed.
+        of ``block_table`` (``[batch, blocks]``; with several attention windows
+        ``[batch, windows, blocks]``, as ``KVCacheManager.block_table`` gives it).
+        Positions before ``starts[i]`` must already be in the pool (computed
+        earlier or reused); they are read, not recomputed.
         ``lora_ids[i]`` (``None``: no adapter) must be the one the cached
         positions were computed under.
         Logits come in request order, one row per new token.
@@ -160,11 +172,18 @@ class TinyDecoder:
         shapes = cfg.block_shapes
         if len(pools) != len(shapes):
             raise ValueError(f"the model keeps its KV in {len(shapes)} pools, got {len(pools)}")
-        for p, expected in zip(pools, shapes):
-            if p.dim() != 6 or tuple(p.shape[1:]) != expected or p.shape[0] != pools[0].shape[0]:
+        windows = cfg.window_layouts
+        for p, expected, g in zip(pools, shapes, self._pool_window):
+            first = pools[self._pool_window.index(g)]
+            if p.dim() != 6 or tuple(p.shape[1:]) != expected or p.shape[0] != first.shape[0]:
                 raise ValueError(f"pool must have shape [blocks, *{expected}], got {tuple(p.shape)}")
         device = pools[0].device
         lens, starts_l = _check_chunks(chunks, starts, block_table, lora_ids)
+        if (block_table.dim() == 3) != (len(windows) > 1) or block_table.dim() == 3 and block_table.shape[1] != len(
+                windows):
+            raise ValueError(f"the model has {len(windows)} attention windows: block_table must be "
+                             f"{'[batch, windows, max_blocks]' if len(windows) > 1 else '[batch, max_blocks]'}, got "
+                             f"{tuple(block_table.shape)}")
         w = self.weights_on(device)
         T = cfg.tokens_per_block
         batch = len(lens)
@@ -172,26 +191,14 @@ class TinyDecoder:
         max_new, max_ctx = max(lens), max(ctx_lens)
 
         table = block_table.to(device=device, dtype=torch.long)
+        tables = [table] if table.dim() == 2 else list(table.unbind(1))
         needed = -(-max_ctx // T)
-        if table.shape[1] < needed:
-            raise ValueError(f"block_table has {table.shape[1]} columns; "
+        if table.shape[-1] < needed:
+            raise ValueError(f"block_table has {table.shape[-1]} columns; "
                              f"the longest context ({max_ctx} tokens) needs {needed}")
         ctx_len_t = torch.tensor(ctx_lens, device=device)
         start_t = torch.tensor(starts_l, device=device)
         len_t = torch.tensor(lens, device=device)
-
-        # Context index [batch, max_ctx]: pool slot and offset of every position; padding
-        # points at the request's position 0, which is written, so it never reads garbage.
-        ctx_pos = torch.arange(max_ctx, device=device)
-        in_ctx = ctx_pos[None, :] < ctx_len_t[:, None]
-        ctx_slot = table[:, :needed].repeat_interleave(T, dim=1)[:, :max_ctx]
-        ctx_slot = torch.where(in_ctx, ctx_slot, table[:, :1])
-        ctx_off = torch.where(in_ctx, ctx_pos[None, :] % T, 0)
-        bad = in_ctx & ((ctx_slot < 0) | (ctx_slot >= pools[0].shape[0]))
-        if bool(bad.any()):
-            row = int(bad.any(dim=1).nonzero()[0, 0])
-            raise ValueError(f"block_table row {row} names no valid pool slot (-1 or >= {pools[0].shape[0]}) "
-                             f"for a position below its context length {ctx_lens[row]}")
 
         # New tokens, flattened in request order, and where they sit in the padded batch.
         ids = torch.tensor([t for c in chunks for t in c], device=device, dtype=torch.long)
@@ -199,12 +206,14 @@ class TinyDecoder:
         first_of = torch.repeat_interleave(torch.cumsum(len_t, 0) - len_t, len_t)
         col_of = torch.arange(ids.numel(), device=device) - first_of
         pos = start_t[row_of] + col_of
-        new_slot = table[row_of, pos // T]
         new_off = pos % T
-
+        ctx_pos = torch.arange(max_ctx, device=device)
+        ctx_off = torch.where(ctx_pos[None, :] < ctx_len_t[:, None], ctx_pos[None, :] % T, 0)
         # Query j of request i sits at position starts[i] + j and sees keys at positions <= its own.
         q_pos = start_t[:, None] + torch.arange(max_new, device=device)[None, :]
-        mask = (ctx_pos[None, None, :] <= q_pos[:, :, None])[:, None]
+        views = [_window_view(tab, lay.window, pools[self._pool_window.index(g)].shape[0], ctx_pos, ctx_len_t,
+                              start_t, q_pos, row_of, pos, T, ctx_lens)
+                 for g, (tab, lay) in enumerate(zip(tables, windows))]
 
         d = cfg.head_dim
         heads = query_heads(cfg)
@@ -215,6 +224,7 @@ class TinyDecoder:
             x = x + per_req[row_of]
         for layer, (lw, kv) in enumerate(zip(w.layers, cfg.kv_heads_per_layer)):
             p, at = self._where[layer]
+            ctx_slot, new_slot, mask = views[self._window_of[layer]]
             h = rms_norm(x, lw.attn_norm)
             q = rope((h @ lw.wq).view(-1, heads, d), pos)
             k = rope((h @ lw.wk).view(-1, kv, d), pos)
@@ -232,6 +242,33 @@ class TinyDecoder:
         return rms_norm(x, w.final_norm) @ w.lm_head
 
 
+def _window_view(table: torch.Tensor, window: int | None, num_slots: int, ctx_pos: torch.Tensor,
+                 ctx_len_t: torch.Tensor, start_t: torch.Tensor, q_pos: torch.Tensor, row_of: torch.Tensor,
+                 pos: torch.Tensor, T: int, ctx_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One window's context slots ``[batch, max_ctx]``, new tokens' slots and attention mask from its table.
+
+    Padding and the positions no query of the step attends to (below ``start - window + 1``, where a sliding
+    window may hold placeholders) point at the slot of the request's first new token, which is written, so the
+    gather never reads garbage; the mask hides them.
+    """
+    max_ctx = ctx_pos.numel()
+    ctx_slot = table[:, :-(-max_ctx // T)].repeat_interleave(T, dim=1)[:, :max_ctx]
+    first_new = table.gather(1, (start_t // T)[:, None])
+    read = ctx_pos[None, :] < ctx_len_t[:, None]
+    if window is not None:
+        read &= ctx_pos[None, :] > start_t[:, None] - window
+    ctx_slot = torch.where(read, ctx_slot, first_new)
+    bad = read & ((ctx_slot < 0) | (ctx_slot >= num_slots))
+    if bool(bad.any()):
+        row = int(bad.any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"block_table row {row} names no valid pool slot (-1 or >= {num_slots}) for a position "
+                         f"below its context length {ctx_lens[row]} that the step reads")
+    mask = ctx_pos[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= ctx_pos[None, None, :] > q_pos[:, :, None] - window
+    return ctx_slot, table[row_of, pos // T], mask[:, None]
+
+
 def _check_chunks(chunks: Sequence[Sequence[int]], starts: Sequence[int], block_table: torch.Tensor,
                   lora_ids: Sequence[int | None] | None) -> tuple[list[int], list[int]]:
     """Validate the caller's batch before anything is written; return chunk lengths and starts."""
@@ -239,8 +276,9 @@ def _check_chunks(chunks: Sequence[Sequence[int]], starts: Sequence[int], block_
         raise ValueError("forward needs at least one request")
     if len(starts) != len(chunks):
         raise ValueError(f"got {len(chunks)} chunks but {len(starts)} start positions")
-    if block_table.dim() != 2 or block_table.shape[0] != len(chunks):
-        raise ValueError(f"block_table must be [batch={len(chunks)}, max_blocks], got {tuple(block_table.shape)}")
+    if block_table.dim() not in (2, 3) or block_table.shape[0] != len(chunks):
+        raise ValueError(f"block_table must be [batch={len(chunks)}, max_blocks] (or [batch, windows, max_blocks]), "
+                         f"got {tuple(block_table.shape)}")
     if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
         raise TypeError(f"block_table must hold integer slots, got {block_table.dtype}")
     if lora_ids is not None:

@@ -24,6 +24,8 @@ class Block:
     """Index into the pool of ``tier``."""
     tier: int
     """``PRIMARY`` (device) or ``SECONDARY`` (host)."""
+    window: int = 0
+    """Index of the attention window whose pool holds the block (``CacheConfig.window_layouts``)."""
     ref_count: int = 0
     """Running requests (and pins) holding the block."""
     sched_ref_count: int = 0
@@ -52,3 +54,8 @@ class Block:
     @property
     def medium(self) -> str:
         return TIER_MEDIUM[self.tier]
+
+
+PLACEHOLDER = Block(block_id=-1, slot=-1, tier=PRIMARY)
+"""A position of a sliding window's block list whose block slid out of the window (or was never needed): it keeps
+the position in the sequence's block list and block table (slot -1) and holds no memory."""

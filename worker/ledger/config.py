@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Literal
 
 import torch
 
@@ -17,6 +18,34 @@ class PoolLayout:
     num_kv_heads: int
     layers: tuple[int, ...]
     """Model layers the pool holds, in order; a layer's K/V sit at its index in this tuple."""
+
+
+WindowKind = Literal["full_attention", "sliding_window"]
+"""A window group's attention, named as vLLM's ``kv_cache_spec_kind`` names it."""
+
+
+def parse_window(text: str) -> int | None:
+    """One attention window as a command line gives it: a positive number of tokens, or ``full``."""
+    if text == "full":
+        return None
+    if not text.isdigit() or int(text) <= 0:
+        raise ValueError(f"an attention window is a positive number of tokens or 'full', got {text!r}")
+    return int(text)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowLayout:
+    """One attention window's group of layers (VSWA keeps one window manager, with its own pools, per window)."""
+
+    window: int | None
+    """Tokens a query attends to, itself included (``None``: full attention)."""
+    layers: tuple[int, ...]
+    pools: tuple[PoolLayout, ...]
+    """One pool per distinct KV head count among the group's layers."""
+
+    @property
+    def kind(self) -> WindowKind:
+        return "full_attention" if self.window is None else "sliding_window"
 
 
 @dataclass
@@ -66,6 +95,18 @@ class CacheConfig:
     """Prompt tokens one context chunk computes (TensorRT-LLM's context chunk size): a prompt is admitted chunk by
     chunk, its blocks allocated as each chunk is (``add_context_chunk``); ``None``: the whole prompt at once. A
     multiple of ``tokens_per_block``, so that every chunk but a prompt's last ends on a block boundary."""
+    attention_windows: tuple[int | None, ...] | None = None
+    """Attention window of each layer in tokens, ``None`` for full attention, cycled over the layers as
+    TensorRT-LLM's ``max_attention_window_vec`` is (``(512, None)``: even layers slide over 512 tokens, odd layers
+    see everything). A query at position ``p`` attends to the keys at positions ``> p - window``. The ledger keeps
+    one window manager per distinct window (``window_layouts``), each with its own pools and block counts; ``None``
+    (the default): one full-attention window."""
+    window_shares: tuple[float, ...] | None = None
+    """How the byte budget of each tier is split between the distinct windows, one positive share per window in
+    ``window_layouts`` order; ``None``: equal shares of bytes."""
+    window_blocks: tuple[tuple[int, int], ...] | None = None
+    """Blocks of each distinct window as ``(device tier, host tier)``, replacing the budgets (set by a rank once
+    the ranks agreed on them, see ``window_block_counts``)."""
     sink_tokens: int = 0
     """Attention-sink tokens of a StreamingLLM model. The unused slots of their last block (the sink bubble) are
     counted in the context budget, as TensorRT-LLM's ``mSinkBubbleLength`` is."""
@@ -99,8 +140,71 @@ class CacheConfig:
         if not MIN_PRIORITY <= self.offload_min_priority <= MAX_PRIORITY + 1:
             raise ValueError(f"CacheConfig.offload_min_priority must be in 0..101, got {self.offload_min_priority}")
         resolve_device(self.device)
-        if self.primary_blocks() == 0:
+        self._check_windows()
+        if any(p == 0 for p, _ in self.window_block_counts()):
             raise ValueError("CacheConfig: the primary tier needs at least one block")
+
+    def _check_windows(self) -> None:
+        w = self.attention_windows
+        if w is not None and not (type(w) is tuple and 1 <= len(w) <= self.num_layers and all(
+                x is None or type(x) is int and x > 0 for x in w)):
+            raise ValueError(f"CacheConfig.attention_windows must be None or a tuple of 1..{self.num_layers} "
+                             f"windows (a positive int of tokens, or None for full attention), got {w!r}")
+        n = len(self.window_layouts)
+        s = self.window_shares
+        if s is not None and not (type(s) is tuple and len(s) == n and all(
+                type(x) in (int, float) and x > 0 and x < float("inf") for x in s)):
+            raise ValueError(f"CacheConfig.window_shares must be None or a tuple of {n} positive numbers (one per "
+                             f"distinct window {[g.window for g in self.window_layouts]}), got {s!r}")
+        b = self.window_blocks
+        if b is not None and not (type(b) is tuple and len(b) == n and all(
+                type(c) is tuple and len(c) == 2 and all(type(x) is int and x >= 0 for x in c) for c in b)):
+            raise ValueError(f"CacheConfig.window_blocks must be None or a tuple of {n} (device, host) pairs of "
+                             f"ints >= 0 (one per distinct window), got {b!r}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's attention window: ``attention_windows`` cycled over the layers."""
+        w = self.attention_windows or (None,)
+        return tuple(w[layer % len(w)] for layer in range(self.num_layers))
+
+    @property
+    def window_layouts(self) -> tuple[WindowLayout, ...]:
+        """One group per distinct window, in the order the windows first appear among the layers."""
+        heads = self.kv_heads_per_layer
+        groups: dict[int | None, list[int]] = {}
+        for layer, w in enumerate(self.layer_windows):
+            groups.setdefault(w, []).append(layer)
+        out = []
+        for w, layers in groups.items():
+            by_heads: dict[int, list[int]] = {}
+            for layer in layers:
+                by_heads.setdefault(heads[layer], []).append(layer)
+            out.append(WindowLayout(w, tuple(layers), tuple(PoolLayout(h, tuple(ls)) for h, ls in by_heads.items())))
+        return tuple(out)
+
+    def window_bytes_per_block(self, layout: WindowLayout) -> int:
+        """K and V of one block of the window's layers, summed over its pools."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(len(p.layers) * 2 * self.tokens_per_block * p.num_kv_heads * self.head_dim
+                   for p in layout.pools) * elem
+
+    def window_block_counts(self) -> tuple[tuple[int, int], ...]:
+        """``(device, host)`` blocks of each window: ``window_blocks``, else each tier's byte budget (or its block
+        count of whole-model blocks, ``bytes_per_block`` each) split by ``window_shares``, then divided by the
+        window's own bytes per block. One window takes the tier's block count as it is."""
+        if self.window_blocks is not None:
+            return self.window_blocks
+        layouts = self.window_layouts
+        if len(layouts) == 1:
+            return ((self.primary_blocks(), self.secondary_blocks()),)
+        shares = self.window_shares or (1,) * len(layouts)
+        total = sum(shares)
+        budgets = [self.num_primary_blocks * self.bytes_per_block if self.primary_bytes is None else self.primary_bytes,
+                   self.num_secondary_blocks * self.bytes_per_block if self.secondary_bytes is None
+                   else self.secondary_bytes]
+        return tuple((int(budgets[0] * s / total) // bpb, int(budgets[1] * s / total) // bpb)
+                     for s, bpb in ((s, self.window_bytes_per_block(g)) for s, g in zip(shares, layouts)))
 
     @property
     def kv_heads_per_layer(self) -> tuple[int, ...]:
@@ -110,11 +214,9 @@ class CacheConfig:
 
     @property
     def pool_layouts(self) -> tuple[PoolLayout, ...]:
-        """One pool per distinct KV head count, in the order the counts first appear among the layers."""
-        layers: dict[int, list[int]] = {}
-        for layer, h in enumerate(self.kv_heads_per_layer):
-            layers.setdefault(h, []).append(layer)
-        return tuple(PoolLayout(h, tuple(ls)) for h, ls in layers.items())
+        """Every pool, window by window (``window_layouts``), in each one pool per distinct KV head count in the
+        order the counts first appear among its layers."""
+        return tuple(p for g in self.window_layouts for p in g.pools)
 
     @property
     def block_shapes(self) -> tuple[tuple[int, int, int, int, int], ...]:

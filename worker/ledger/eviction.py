@@ -45,30 +45,38 @@ class EvictionPolicy:
         self._free[block.tier] += 1
 
     def release_n(self, blocks: list[Block]) -> None:
-        """``release`` each block in order; runs of one tier and level are linked in one pass."""
+        """``release`` each block in order, in one pass: each run of one tier and level is stamped and linked onto
+        the tail of its free list as it is walked (freeing a sequence is a hot path)."""
         i, n = 0, len(blocks)
         tick = self._tick
-        for b in blocks:
-            b.freed_at = tick
-            tick += 1
-        self._tick = tick
+        lists, mask, free = self._lists, self._mask, self._free
         while i < n:
             b = blocks[i]
-            assert b.level < 0, f"block {b.block_id} released twice"
-            tier, level = b.tier, level_of(b)
-            b.level = level
-            j = i + 1
+            tier = b.tier
+            level = 0 if b.key is None else b.priority + 1
+            lst = lists[tier][level]
+            head = lst.sentinel
+            last = head.fl_prev
+            j = i
             while j < n:
                 c = blocks[j]
                 assert c.level < 0, f"block {c.block_id} released twice"
                 if c.tier != tier or (0 if c.key is None else c.priority + 1) != level:
                     break
                 c.level = level
+                c.freed_at = tick
+                tick += 1
+                c.fl_prev = last
+                last.fl_next = c
+                last = c
                 j += 1
-            self._lists[tier][level].extend(blocks[i:j])
-            self._mask[tier] |= 1 << level
-            self._free[tier] += j - i
+            last.fl_next = head
+            head.fl_prev = last
+            lst.size += j - i
+            mask[tier] |= 1 << level
+            free[tier] += j - i
             i = j
+        self._tick = tick
 
     def claim(self, block: Block) -> None:
         """Take a free block out of its list (it is being used or moved)."""
@@ -80,12 +88,20 @@ class EvictionPolicy:
         block.level = -1
         self._free[block.tier] -= 1
 
-    def victim(self, tier: int) -> Block | None:
-        """The block to reuse next in ``tier``, without claiming it."""
+    def take(self, tier: int) -> Block | None:
+        """Claim the block to reuse next in ``tier``, the head of its lowest non-empty level; ``None`` when none is
+        free."""
         mask = self._mask[tier]
         if not mask:
             return None
-        return self._lists[tier][(mask & -mask).bit_length() - 1].first()
+        level = (mask & -mask).bit_length() - 1
+        lst = self._lists[tier][level]
+        b = lst.popleft()
+        if lst.size == 0:
+            self._mask[tier] = mask & ~(1 << level)
+        b.level = -1
+        self._free[tier] -= 1
+        return b
 
     def requeue(self, blocks: list[Block]) -> None:
         """Move free blocks to the levels their keys and priorities now call for, keeping their LRU order."""

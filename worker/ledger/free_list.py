@@ -22,23 +22,21 @@ class FreeList:
         last.fl_next = self._head.fl_prev = block
         self.size += 1
 
-    def extend(self, blocks: list[Block]) -> None:
-        """Append blocks in order (one relinking pass, no per-block call)."""
-        head = self._head
-        last = head.fl_prev
-        for b in blocks:
-            b.fl_prev = last
-            last.fl_next = b
-            last = b
-        last.fl_next = head
-        head.fl_prev = last
-        self.size += len(blocks)
-
     def appendleft(self, block: Block) -> None:
         first = self._head.fl_next
         block.fl_prev, block.fl_next = self._head, first
         first.fl_prev = self._head.fl_next = block
         self.size += 1
+
+    def popleft(self) -> Block:
+        """Take the first block out (the list is not empty)."""
+        head = self._head
+        b = head.fl_next
+        head.fl_next = nxt = b.fl_next
+        nxt.fl_prev = head
+        b.fl_prev = b.fl_next = None
+        self.size -= 1
+        return b
 
     def remove(self, block: Block) -> None:
         block.fl_prev.fl_next = block.fl_next

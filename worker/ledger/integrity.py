@@ -13,21 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvledger.worker.ledger.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
+from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, SECONDARY, TIER_MEDIUM, Block
 from kvledger.worker.ledger.block_pool import BlockPool
 from kvledger.worker.ledger.eviction import level_of
+from kvledger.worker.ledger.prefix_tree import PrefixTree
 from kvledger.worker.ledger.sequence import Sequence
 
 
-def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
-    """Raise ``AssertionError`` naming the first broken invariant of ``pool``.
+def check_pool(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
+    """Raise ``AssertionError`` naming the first broken invariant of ``pool`` (one window's blocks).
 
-    ``holders`` are the block lists of everything that holds references:
-    running sequences and pins, one reference per appearance.
+    ``holders`` are the block lists of everything that holds references in it:
+    running sequences and pins, one reference per appearance (placeholders hold none).
     """
     refs: dict[int, int] = {}
     for holder in holders:
         for b in holder:
+            if b is PLACEHOLDER:
+                continue
+            if b.window != pool.window:
+                raise AssertionError(f"block {b.block_id} of window {b.window} is held as one of window {pool.window}")
             refs[b.block_id] = refs.get(b.block_id, 0) + 1
     slots: tuple[set[int], set[int]] = (set(), set())
     free = [0, 0]
@@ -48,7 +53,9 @@ def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
         slots[b.tier].add(b.slot)
         if (b.node is None) != (b.key is None) or (b.key is None) != (b.block_hash is None):
             raise AssertionError(f"block {b.block_id}: key, hash and tree node disagree")
-        if b.node is not None and (b.node.block is not b or b.node.key != b.key):
+        if b.window != pool.window:
+            raise AssertionError(f"block {b.block_id}: of window {b.window}, in the pool of window {pool.window}")
+        if b.node is not None and (b.node.block_of(pool.window) is not b or b.node.key != b.key):
             raise AssertionError(f"block {b.block_id}: its tree node does not point back")
         if b.expires_at is not None and (b.level < 0 or b.duration_s is None):
             raise AssertionError(f"block {b.block_id}: a retention countdown runs while it is in use or has no "
@@ -63,7 +70,10 @@ def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
                                  f"{free[tier]} blocks in its free lists")
         if free[tier] > size:
             raise AssertionError(f"tier {TIER_MEDIUM[tier]}: more free blocks than the pool holds")
-    tree = pool.tree
+
+
+def check_tree(tree: PrefixTree) -> None:
+    """Raise ``AssertionError`` naming the first broken link of the prefix tree (every window's blocks)."""
     stack = [tree.root]
     nodes = 0
     while stack:
@@ -72,9 +82,11 @@ def check_integrity(pool: BlockPool, holders: Iterable[list[Block]]) -> None:
             nodes += 1
             if child.parent is not node or child.key != key:
                 raise AssertionError("prefix tree: a child does not point back to its parent")
-            if child.block is not None and child.block.node is not child:
-                raise AssertionError(f"prefix tree: node's block {child.block.block_id} points elsewhere")
-            if child.block is None and not child.children:
+            for w in range(tree.num_windows):
+                b = child.block_of(w)
+                if b is not None and (b.node is not child or b.window != w):
+                    raise AssertionError(f"prefix tree: node's block {b.block_id} points elsewhere (window {w})")
+            if child.is_empty() and not child.children:
                 raise AssertionError("prefix tree: an empty leaf was not pruned")
             stack.append(child)
     if nodes != tree.num_nodes:
@@ -93,6 +105,10 @@ def check_sequences(seqs: Iterable[Sequence], tokens_per_block: int) -> None:
         if len(seq.blocks) < -(-seq.num_tokens // tokens_per_block) or not 0 <= seq.chunk_start <= seq.num_tokens:
             raise AssertionError(f"request {rid}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens, chunk "
                                  f"from {seq.chunk_start}")
+        for w, blocks in enumerate(seq.windows):
+            if len(blocks) != len(seq.blocks) or (PLACEHOLDER in blocks and seq.sliding[w] is None):
+                raise AssertionError(f"request {rid}: window {w} has {len(blocks)} block positions, window 0 "
+                                     f"{len(seq.blocks)}; placeholders only in sliding windows")
         own = len(seq.blocks) - prompt // tokens_per_block
         if len(seq.beams) != seq.request.beam_width - 1 or (seq.decoding or seq.num_tokens == prompt) and any(
                 len(b) != own for b in seq.beams):

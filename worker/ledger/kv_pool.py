@@ -13,7 +13,7 @@ import torch
 
 from kvledger.worker.device import host_pin_memory, resolve_device
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY
-from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.ledger.config import CacheConfig, PoolLayout
 
 CopyOp = tuple[int, int, int, int]
 """(source tier, source slot, destination tier, destination slot)."""
@@ -50,19 +50,22 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Iterable[tuple[int,
 class TieredPools:
     """Primary pools on the rank's device, secondary pools in host memory (pinned where CUDA exists).
 
-    One pool per distinct KV head count (``CacheConfig.pool_layouts``; one
-    for most models), all indexed by the same slots: a block's slot names its
-    K/V in every pool, and a block copy moves it in each.
+    One pool per distinct KV head count of one window's layers (``layouts``,
+    by default ``CacheConfig.pool_layouts``; one for most models), all indexed
+    by the same slots: a block's slot names its K/V in every pool, and a block
+    copy moves it in each.
     """
 
-    def __init__(self, config: CacheConfig, num_primary: int, num_secondary: int) -> None:
+    def __init__(self, config: CacheConfig, num_primary: int, num_secondary: int,
+                 layouts: tuple[PoolLayout, ...] | None = None) -> None:
         self.device = resolve_device(config.device)
-        self.layouts = config.pool_layouts
+        self.layouts = config.pool_layouts if layouts is None else layouts
         self.primary_pools: list[torch.Tensor] = []
         self.secondary_pools: list[torch.Tensor] = []
         if config.materialize:
             pin = host_pin_memory() and num_secondary > 0
-            for shape in config.block_shapes:
+            T, d = config.tokens_per_block, config.head_dim
+            for shape in ((len(p.layers), 2, T, p.num_kv_heads, d) for p in self.layouts):
                 self.primary_pools.append(torch.zeros((num_primary, *shape), dtype=config.dtype, device=self.device))
                 self.secondary_pools.append(torch.zeros((num_secondary, *shape), dtype=config.dtype, device="cpu",
                                                         pin_memory=pin))
@@ -119,19 +122,36 @@ class TieredPools:
         for src, dst in zip(self.tier(src_tier), self.tier(dst_tier)):
             self.copies_issued += copy_blocks(src, dst, pairs)
 
+    @property
+    def elements_per_block(self) -> int:
+        """Elements of one block's K/V summed over the primary pools: a row of ``read_blocks``."""
+        return sum(p[0].numel() for p in self.primary_pools)
+
+    def _rows(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """``data`` (``[blocks, elements_per_block]``) as one view per primary pool, shaped like its blocks."""
+        views, at = [], 0
+        for pool in self.primary_pools:
+            e = pool[0].numel()
+            views.append(data[:, at:at + e].view(data.shape[0], *pool.shape[1:]))
+            at += e
+        return views
+
     def read_blocks(self, slots: Sequence[int]) -> torch.Tensor:
-        """Primary blocks gathered into one contiguous tensor (for sending; one pool only)."""
-        primary = self.primary
-        assert primary is not None, "read_blocks on a ledger without tensors"
-        out = torch.empty((len(slots), *primary.shape[1:]), dtype=primary.dtype, device=primary.device)
-        copy_blocks(primary, out, [(s, i) for i, s in enumerate(slots)])
+        """Primary blocks gathered into one contiguous ``[len(slots), elements_per_block]`` tensor (for sending):
+        row ``i`` holds block ``slots[i]``'s K/V of every pool, pool after pool."""
+        assert self.primary_pools, "read_blocks on a ledger without tensors"
+        first = self.primary_pools[0]
+        out = torch.empty((len(slots), self.elements_per_block), dtype=first.dtype, device=first.device)
+        pairs = [(s, i) for i, s in enumerate(slots)]
+        for pool, rows in zip(self.primary_pools, self._rows(out)):
+            copy_blocks(pool, rows, pairs)
         return out
 
     def write_blocks(self, slots: Sequence[int], data: torch.Tensor) -> None:
-        """Scatter a contiguous tensor of blocks into primary slots (after a receive; one pool only)."""
-        primary = self.primary
-        assert primary is not None, "write_blocks on a ledger without tensors"
-        copy_blocks(data, primary, [(i, s) for i, s in enumerate(slots)])
-
+        """Scatter the rows of ``data`` (``read_blocks``' layout) into primary slots ``slots`` of every pool."""
+        assert self.primary_pools, "write_blocks on a ledger without tensors"
+        pairs = [(i, s) for i, s in enumerate(slots)]
+        for pool, rows in zip(self.primary_pools, self._rows(data)):
+            copy_blocks(rows, pool, pairs)
 
 __all__ = ["CopyOp", "TieredPools", "copy_blocks", "merge_runs", "PRIMARY", "SECONDARY"]

@@ -1,10 +1,13 @@
 """The per-rank KV cache manager: the admission policy over the block pool.
 
-Follows TensorRT-LLM's KVCacheManager for one attention window, layered as
-vLLM v1 is (``KVCacheManager`` over ``BlockPool``): the manager matches prompts
-against the prefix tree, decides what to reuse, checks capacity, stores
-finished blocks and tracks the running sequences; the pool (block_pool.py)
-moves blocks between free lists and tiers. Every public operation validates
+Follows TensorRT-LLM's KVCacheManager, layered as vLLM v1 is
+(``KVCacheManager`` over ``BlockPool``): the manager matches prompts against
+the prefix tree (matching.py), decides what to reuse, checks capacity, stores
+finished blocks and tracks the running sequences; one window manager per
+attention window (window.py) holds that window's pool (block_pool.py), which
+moves blocks between free lists and tiers. Every window's blocks sit in one
+prefix tree; a sequence has a block list per window, all as long as each
+other, a sliding window's with placeholders where its blocks slid out. Every public operation validates
 its input and checks capacity before it changes anything, so a refused call
 leaves the books, the stats and the event buffer as they were.
 """
@@ -15,52 +18,32 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from kvledger.worker.ledger.block import PRIMARY, SECONDARY, Block
-from kvledger.worker.ledger.block_pool import BlockPool
-from kvledger.worker.ledger.budget import ContextBudget, blocks_to_completion, context_budget, sink_bubble, step_blocks
+from kvledger.worker.ledger.admission import Admitter
+from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, SECONDARY, Block
+from kvledger.worker.ledger.budget import (ContextBudget, blocks_to_completion, ceil_div, context_budget, sink_bubble,
+                                           step_blocks)
 from kvledger.worker.ledger.config import CacheConfig
-from kvledger.worker.ledger.integrity import check_integrity, check_sequences
-from kvledger.worker.ledger.prefix_tree import TreeNode
-from kvledger.worker.ledger.retention import Retention
+from kvledger.worker.ledger.event_buffer import EventBuffer
+from kvledger.worker.ledger.integrity import check_pool, check_sequences, check_tree
+from kvledger.worker.ledger.matching import Match, decide_partial
+from kvledger.worker.ledger.prefix_tree import PrefixTree
+from kvledger.worker.ledger.scheduling import SchedulingRound
 from kvledger.worker.ledger.sequence import Sequence
-from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary
+from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary, WindowStats
+from kvledger.worker.ledger.storing import Storer
+from kvledger.worker.ledger.window import WindowManager, WindowPools
 from kvledger.worker.wire.batches import StoredBlock
-from kvledger.worker.wire.block_key import BlockKey, MmKey, block_keys, validate_prompt
+from kvledger.worker.wire.block_key import MmKey, validate_prompt
 from kvledger.worker.wire.errors import OutOfBlocksError
-from kvledger.worker.wire.events import BlockStored, KVEvent
+from kvledger.worker.wire.events import AllBlocksCleared, KVCacheCreated, KVEvent
 from kvledger.worker.wire.request import Request
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
-
-
-@dataclass(slots=True)
-class _Match:
-    """What the tree offers one prompt: full blocks, then possibly one partly matching block."""
-
-    full: list[Block]
-    partial: Block | None = None
-    partial_len: int = 0
-    in_place: bool = False
-    keys: list[BlockKey] | None = None
-    """The prompt's block keys (the trailing partial block included), reused by the store."""
-
-
-@dataclass(slots=True)
-class _Plan:
-    request: Request
-    match: _Match
-    new_blocks: int
-    """Blocks to allocate, the copy destination of a partial match and the other beams' tails included."""
-    end: int
-    """End of the first context chunk: the whole prompt unless chunked."""
-    tails: int
-    """Own last context blocks of beams 1.. (a beam search whose first chunk ends the prompt mid-block)."""
 
 
 def _checked(method: Callable[..., R]) -> Callable[..., R]:
@@ -81,22 +64,41 @@ class KVCacheManager:
     def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
-        self._pool = pool = BlockPool(config, clock)
-        self.num_primary, self.num_secondary = pool.num_primary, pool.num_secondary
-        self.pools = pool.pools
+        n = len(config.window_layouts)
+        self._tree = tree = PrefixTree(n)
+        self._events = events = EventBuffer(config.event_buffer_size)
+        self._windows = [WindowManager(config, clock, w, tree, events) for w in range(n)]
+        """One window manager per distinct attention window (``CacheConfig.window_layouts``)."""
+        self._windowed = n > 1 or self._windows[0].size is not None
+        """Some window slides: matches follow the safe-prefix rule and decode releases blocks."""
+        self._pool = pool = self._windows[0].pool
+        self.num_primary = sum(w.pool.num_primary for w in self._windows)
+        self.num_secondary = sum(w.pool.num_secondary for w in self._windows)
+        self.pools = pool.pools if n == 1 else WindowPools([w.pool.pools for w in self._windows])
+        """The tensors: window 0's ``TieredPools`` for one window, else every window's (``WindowPools``)."""
         self.blocks = pool.blocks
-        self._retention = Retention(pool, self.tokens_per_block)
+        """Window 0's blocks by id (``window_blocks`` has every window's)."""
+        self._admit = Admitter(config, tree, self._windows, self.pools)
+        self._storer = Storer(config, tree, events, self._windows, self._windowed)
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, list[Block]] = {}
-        self._sched_free = pool.num_primary
-        self._sched_taken: set[int] = set()
-        """Blocks a tentative admission of this scheduling round already counted."""
-        self._reused = self._missed = 0
+        self._round = SchedulingRound(self._windows)
+        events.put(KVCacheCreated(num_blocks={"GPU": self.num_primary, "CPU": self.num_secondary},
+                                  block_size=config.tokens_per_block))
 
     @property
     def clock(self) -> Callable[[], float]:
         """The injected clock that retention durations run on."""
         return self._pool.clock
+
+    @property
+    def window_block_counts(self) -> tuple[tuple[int, int], ...]:
+        """``(device, host)`` blocks of each attention window, in ``CacheConfig.window_layouts`` order."""
+        return tuple((w.pool.num_primary, w.pool.num_secondary) for w in self._windows)
+
+    def window_blocks(self, window: int) -> list[Block]:
+        """The blocks of attention window ``window`` by id (``blocks`` is window 0's)."""
+        return self._windows[window].pool.blocks
 
     # ------------------------------------------------------------------ admission
 
@@ -119,149 +121,17 @@ class KVCacheManager:
             r.validate()
             if r.request_id in self._seqs or r.request_id in self._pinned or r.request_id in ids:
                 raise ValueError(f"request {r.request_id} is already in the ledger")
+            if r.beam_width > 1 and self._windowed:
+                raise ValueError(f"request {r.request_id} asks for {r.beam_width} beams; beam search is not supported "
+                                 f"with attention windows {self.config.attention_windows}")
             ids.add(r.request_id)
         self.refresh_blocks()
-        plans = self._plan(requests)
-        self._check_capacity(plans)
-        return [s.admission.prepopulated_tokens for s in self._apply(plans)]
-
-    def _plan(self, requests: Seq[Request]) -> list[_Plan]:
-        """Decide every request's reuse without changing anything (a dry run of the claims)."""
-        T = self.tokens_per_block
-        chunk = self.config.context_chunk_size
-        claimed: set[int] = set()
-        taken: set[int] = set()
-        plans = []
-        for r in requests:
-            m = self._match(r.tokens, r.lora_id, r.cache_salt, r.mm_keys, r.extra_ids, taken)
-            self._decide_partial(m, claimed)
-            if m.in_place:
-                taken.add(m.partial.block_id)
-            claimed.update(b.block_id for b in m.full)
-            if m.partial is not None:
-                claimed.add(m.partial.block_id)
-            end = len(r.tokens) if chunk is None else min(len(r.tokens), len(m.full) * T + m.partial_len + chunk)
-            tails = self._tails(r, end) if r.beam_width > 1 else 0
-            plans.append(_Plan(r, m, -(-end // T) - len(m.full) - (1 if m.in_place else 0) + tails, end, tails))
-        return plans
-
-    def _tails(self, r: Request, end: int) -> int:
-        """Blocks beams 1.. need of their own when a context chunk reaches ``end``: the prompt's last block, where
-        the prompt ends mid-block (TensorRT-LLM shares it among the beams only when the prompt fills it)."""
-        return r.beam_width - 1 if end == len(r.tokens) and end % self.tokens_per_block else 0
-
-    def _match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
-               extra_ids: Seq[int] | None, taken: set[int] = frozenset()) -> _Match:
-        """Walk the tree with the prompt's keys; the last prompt token is never matched."""
-        if not self.config.enable_block_reuse:
-            return _Match([])
-        T = self.tokens_per_block
-        usable = len(tokens) - 1
-        n_full = usable // T
-        keys = block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt, mm_keys=mm_keys,
-                          extra_ids=extra_ids, include_partial=True)
-        tree = self._pool.tree
-        node = tree.root
-        full: list[Block] = []
-        for key in keys[:n_full]:
-            child = node.children.get(key)
-            if child is None or child.block is None or child.block.block_id in taken:
-                break
-            full.append(child.block)
-            node = child
-        m = _Match(full, keys=keys)
-        limit = min(T, usable - len(full) * T)
-        if self.config.enable_partial_reuse and limit > 0 and len(full) < len(keys):
-            cand, n = tree.best_partial(node, keys[len(full)], limit)
-            if cand is not None:  # a block taken in place by an earlier request can still be copied
-                m.partial, m.partial_len = cand.block, n
-        return m
-
-    def _decide_partial(self, m: _Match, claimed: set[int]) -> None:
-        """Reuse a partly matching block in place when nobody else holds it and it is a leaf, else copy it."""
-        p = m.partial
-        if p is None:
-            return
-        m.in_place = p.ref_count == 0 and p.block_id not in claimed and not p.node.children
-        if not m.in_place and not self.config.copy_on_partial_reuse:
-            m.partial, m.partial_len = None, 0
-
-    def _check_capacity(self, plans: list[_Plan]) -> None:
-        held = {b.block_id: b for p in plans for b in (*p.match.full, p.match.partial) if b is not None}
-        free_claimed = sum(1 for b in held.values() if b.tier == PRIMARY and b.ref_count == 0)
-        onboards = len({b.block_id for p in plans for b in self._to_onboard(p.match) if b.tier == SECONDARY})
-        needed = sum(p.new_blocks for p in plans) + onboards
-        available = self._pool.num_free(PRIMARY) - free_claimed
-        if needed > available:
-            what = f"admitting request(s) {[p.request.request_id for p in plans]}"
-            raise OutOfBlocksError(needed, available, what)
-
-    @staticmethod
-    def _to_onboard(m: _Match) -> list[Block]:
-        """Blocks a match uses in place (a copied partial block is read from wherever it lies)."""
-        return [*m.full, m.partial] if m.in_place else m.full
-
-    def _apply(self, plans: list[_Plan]) -> list[Sequence]:
-        T = self.tokens_per_block
-        pool = self._pool
-        copy_sources: list[Block] = []
-        for p in plans:
-            for b in p.match.full:
-                pool.ref(b)
-            part = p.match.partial
-            if part is not None:
-                pool.ref(part)
-                if p.match.in_place:
-                    pool.forget(part)
-                else:
-                    copy_sources.append(part)
-        onboarded = []
-        for p in plans:
-            moved = [b for b in self._to_onboard(p.match) if b.tier == SECONDARY]
-            for b in moved:
-                pool.onboard(b)
-            onboarded.append(len(moved))
-        seqs = []
-        for p, n_onboarded in zip(plans, onboarded):
-            r, m = p.request, p.match
-            blocks = list(m.full)
-            copied = 0
-            if m.partial is not None:
-                if m.in_place:
-                    blocks.append(m.partial)
-                else:
-                    dst = pool.take_free(count_alloc=True)
-                    self.pools.plan(m.partial.tier, m.partial.slot, PRIMARY, dst.slot)
-                    dst.ref_count = 1
-                    blocks.append(dst)
-                    copied = 1
-            blocks += self._alloc(p.new_blocks - copied - p.tails)
-            n_reused = len(m.full) + (1 if m.partial is not None else 0)
-            self._reused += n_reused
-            self._missed += -(-len(r.tokens) // T) - n_reused   # the whole prompt's, chunked or not
-            prepop = len(m.full) * T + m.partial_len
-            adm = Admission(prepopulated_tokens=prepop, reused_blocks=len(m.full), partial_tokens=m.partial_len,
-                            copied_blocks=copied, onboarded_blocks=n_onboarded, allocated_blocks=p.new_blocks)
-            seq = Sequence(request=r, blocks=blocks, num_tokens=p.end, admission=adm, tokens=list(r.tokens),
-                           keys=m.keys[:len(r.tokens) // T] if m.keys else [],
-                           hashes=[b.block_hash for b in m.full], stored=len(m.full), chunk_start=prepop)
-            if r.beam_width > 1:
-                seq.beams = tuple(self._alloc(1 if p.tails else 0) for _ in range(r.beam_width - 1))
-            self._retention.apply(seq, 0)
-            self._seqs[r.request_id] = seq
-            seqs.append(seq)
-        for b in copy_sources:
-            pool.unref(b)
-        self.pools.flush()
-        return seqs
-
-    def _alloc(self, n: int) -> list[Block]:
-        """``n`` clean primary blocks held once (capacity was checked)."""
-        take = self._pool.take_free
-        out = [take(count_alloc=True) for _ in range(n)]
-        for b in out:
-            b.ref_count = 1
-        return out
+        plans = self._admit.plan(requests)
+        self._admit.check_capacity(plans)
+        seqs = self._admit.apply(plans)
+        for seq in seqs:
+            self._seqs[seq.request.request_id] = seq
+        return [s.admission.prepopulated_tokens for s in seqs]
 
     # ------------------------------------------------------------------ chunked prefill
 
@@ -287,25 +157,37 @@ class KVCacheManager:
             raise ValueError(f"add_context_chunk: num_tokens must be None or an int >= 1, got {num_tokens!r}")
         start, end = seq.num_tokens, min(prompt, seq.num_tokens + size)
         need, tails = self._chunk_blocks(seq, end)
-        pool = self._pool
-        if need + tails > pool.num_free(PRIMARY):
-            raise OutOfBlocksError(need + tails, pool.num_free(PRIMARY), f"admitting a context chunk of request "
-                                                                          f"{request_id}")
-        self._store(seq, start // self.tokens_per_block)
+        self._check_growth(request_id, "admitting a context chunk of", [need + tails] + [need] * (len(seq.windows) - 1))
+        self._storer.store(seq, start // self.tokens_per_block)
         first_new = len(seq.blocks)
-        seq.blocks += self._alloc(need)
+        w0 = self._windows[0]
+        seq.blocks += w0.alloc(need)
         for own in seq.beams[:tails]:
-            own += self._alloc(1)
+            own += w0.alloc(1)
+        for w, blocks in zip(self._windows[1:], seq.windows[1:]):
+            blocks += w.alloc(need)
         seq.chunk_start, seq.num_tokens = start, end
-        self._retention.apply(seq, first_new)
+        self._apply_retention(seq, first_new)
         self.pools.flush()
         return start, end
+
+    def _check_growth(self, request_id: int, what: str, needs: Seq[int], gains: Seq[int] = ()) -> None:
+        """Raise ``OutOfBlocksError`` unless every window has its ``needs`` free (counting the ``gains`` that a sliding
+        window frees first)."""
+        for w, need in zip(self._windows, needs):
+            free = w.pool.num_free(PRIMARY) + (gains[w.index] if gains else 0)
+            if need > free:
+                raise OutOfBlocksError(need, free, f"{what} request {request_id}{self._admit.in_window(w)}")
+
+    def _apply_retention(self, seq: Sequence, first: int) -> None:
+        for w, blocks in zip(self._windows, seq.windows):
+            w.retention.apply(seq.request, blocks, first)
 
     def _chunk_blocks(self, seq: Sequence, end: int) -> tuple[int, int]:
         """Blocks beam 0 and the other beams' tails still need for a context chunk ending at ``end``; blocks a
         trimmed chunk left allocated count as had."""
         need = max(0, -(-end // self.tokens_per_block) - len(seq.blocks))
-        return need, 0 if not seq.beams or seq.beams[0] else self._tails(seq.request, end)
+        return need, 0 if not seq.beams or seq.beams[0] else self._admit.tails(seq.request, end)
 
     def context_chunk(self, request_id: int) -> tuple[int, int]:
         """Prompt positions ``(start, end)`` the current context chunk computes (``end == start`` never)."""
@@ -380,26 +262,48 @@ class KVCacheManager:
             validate_prompt(tokens, None, None, (), None)
             if len(tokens) != n:
                 raise ValueError(f"add_token: {len(tokens)} token ids given for n={n}")
-        need = -(-(seq.num_tokens + n) // self.tokens_per_block) - len(seq.blocks)
-        pool = self._pool
-        if need * seq.request.beam_width > pool.num_free(PRIMARY):   # every beam grows alike
-            raise OutOfBlocksError(need * seq.request.beam_width, pool.num_free(PRIMARY),
-                                   f"growing request {request_id}")
+        T = self.tokens_per_block
+        need = max(0, -(-(seq.num_tokens + n) // T) - len(seq.blocks))
+        old = seq.num_tokens
+        if not self._windowed:
+            self._check_growth(request_id, "growing", (need * seq.request.beam_width,))   # every beam grows alike
+        else:
+            out = [w.sliding_out(blocks, start, old) for w, blocks, start in zip(self._windows, seq.windows, seq.slid)]
+            self._check_growth(request_id, "growing", [need] * len(out),
+                               [sum(1 for b in o if b.ref_count == 1) for o in out])
+            if not seq.opaque:   # store what the window is about to release: every token before ``old`` is written
+                self._storer.store(seq, old // T)
+            self._slide(seq, old)
         first_new = len(seq.blocks)
         if need > 0:
-            seq.blocks += self._alloc(need)
+            w0 = self._windows[0]
+            seq.blocks += w0.alloc(need)
             for own in seq.beams:
-                own += self._alloc(need)
+                own += w0.alloc(need)
+            for w, blocks in zip(self._windows[1:], seq.windows[1:]):
+                blocks += w.alloc(need)
         seq.decoding = True
         if tokens is None or seq.opaque or seq.request.extra_ids is not None:
             seq.opaque = True
         else:
             seq.tokens.extend(tokens)
         seq.num_tokens += n
-        self._retention.apply(seq, first_new)
+        self._apply_retention(seq, first_new)
         self.pools.flush()
         if not seq.opaque:   # everything before this step's tokens is written (rejected drafts were rewound)
-            self._store(seq, (seq.num_tokens - n) // self.tokens_per_block)
+            self._storer.store(seq, (seq.num_tokens - n) // self.tokens_per_block)
+
+    def _slide(self, seq: Sequence, pos: int) -> None:
+        """Release the blocks of sliding windows that no query from ``pos`` on attends to, leaving placeholders; the
+        sequence can no longer be rewound below ``pos``."""
+        seq.floor = pos
+        for w, blocks in zip(self._windows, seq.windows):
+            end = w.first_needed(pos)
+            start = seq.slid[w.index]
+            if end > start:
+                w.release(blocks[start:end])
+                blocks[start:end] = [PLACEHOLDER] * (end - start)
+                seq.slid[w.index] = end
 
     @_checked
     def rewind(self, request_id: int, n: int) -> None:
@@ -410,10 +314,11 @@ class KVCacheManager:
         every token is written and kept), so nothing reusable is lost.
         """
         seq = self._running(request_id)
-        generated = seq.num_tokens - max(len(seq.request.tokens), seq.stored * self.tokens_per_block)
+        generated = seq.num_tokens - max(len(seq.request.tokens), seq.stored * self.tokens_per_block, seq.floor)
         if type(n) is not int or not 1 <= n <= generated:
             raise ValueError(f"rewind: n must be an int in 1..{generated} (the tokens request {request_id} generated "
-                             f"past its prompt and its stored blocks), got {n!r}")
+                             f"past its prompt, its stored blocks and, with a sliding window, its last step's start), "
+                             f"got {n!r}")
         seq.num_tokens -= n
         del seq.tokens[seq.num_tokens:]
         keep = -(-seq.num_tokens // self.tokens_per_block)
@@ -425,14 +330,17 @@ class KVCacheManager:
         for own in seq.beams:
             dropped += own[own_keep:]
             del own[own_keep:]
-        self._pool.release(dropped)
+        self._windows[0].release(dropped)
+        for w, blocks in zip(self._windows[1:], seq.windows[1:]):
+            w.release(blocks[keep:])
+            del blocks[keep:]
 
     @_checked
     def store_context_blocks(self, request_id: int) -> None:
         """Make the full blocks of the prompt admitted so far reusable (after prefill, or its current chunk,
         wrote them); of a beam search, the blocks its beams share."""
         seq = self._running(request_id)
-        self._store(seq, min(len(seq.request.tokens), seq.num_tokens) // self.tokens_per_block)
+        self._storer.store(seq, min(len(seq.request.tokens), seq.num_tokens) // self.tokens_per_block)
 
     @_checked
     def commit_and_get_block_hashes(self, request_id: int) -> list[int]:
@@ -441,7 +349,7 @@ class KVCacheManager:
         seq = self._running(request_id)
         T = self.tokens_per_block
         count = max(min(len(seq.request.tokens), seq.num_tokens) // T, seq.storable_blocks(T))
-        self._store(seq, count)
+        self._storer.store(seq, count)
         seq.ensure_keys(count, T)
         return list(seq.hashes[:count])
 
@@ -457,13 +365,18 @@ class KVCacheManager:
         """
         seq = self._running(request_id)
         if store and not seq.beams:
-            self._store(seq, seq.storable_blocks(self.tokens_per_block))
+            self._storer.store(seq, seq.storable_blocks(self.tokens_per_block))
+        if pin and self._windowed:
+            raise ValueError(f"remove_sequence: pinning the blocks of a model with attention windows "
+                             f"{self.config.attention_windows} is not supported (a migration reads one window)")
         del self._seqs[request_id]
         blocks = seq.blocks if not seq.beams else [b for own in seq.holders() for b in own]
         if pin:
             self._pinned[request_id] = blocks
             return [b.block_id for b in blocks]
-        self._pool.release(blocks)
+        self._windows[0].release(blocks)
+        for w, others in zip(self._windows[1:], seq.windows[1:]):
+            w.release(others)
         return []
 
     @_checked
@@ -483,9 +396,12 @@ class KVCacheManager:
             raise ValueError(f"pin_prefix: id {pin_id} is already in the ledger")
         if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 0):
             raise ValueError(f"pin_prefix: max_blocks must be None or an int >= 0, got {max_blocks!r}")
+        if self._windowed:
+            raise ValueError(f"pin_prefix: migrating the KV of a model with attention windows "
+                             f"{self.config.attention_windows} is not supported")
         validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
         self.refresh_blocks()
-        full = self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids).full if tokens else []
+        full = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids).full if tokens else []
         if max_blocks is not None:
             full = full[:max_blocks]
         onboards = [b for b in full if b.tier == SECONDARY]
@@ -496,8 +412,7 @@ class KVCacheManager:
                                    f"pinning {len(full)} blocks as {pin_id}")
         for b in full:
             pool.ref(b)
-        for b in onboards:
-            pool.onboard(b)
+        pool.onboard_n(onboards)
         self.pools.flush()
         self._pinned[pin_id] = full
         return [b.slot for b in full]
@@ -517,68 +432,33 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ storing
 
-    def _store(self, seq: Sequence, count: int) -> None:
-        """Put the first ``count`` blocks of ``seq`` in the tree; announce the newly stored runs."""
-        if count <= 0 or not self.config.enable_block_reuse:
-            return
-        T = self.tokens_per_block
-        c = seq.stored
-        if c >= count:
-            return
-        seq.ensure_keys(count, T)
-        tree = self._pool.tree
-        node = seq.blocks[c - 1].node if c else tree.root
-        run: list[int] = []
-        for i in range(c, count):
-            key, b = seq.keys[i], seq.blocks[i]
-            node = tree.child_or_new(node, key)
-            if node.block is None and b.node is None:
-                tree.attach(node, b)
-                b.key, b.block_hash, b.is_full = key, seq.hashes[i], True
-                b.prev = seq.blocks[i - 1] if i else None
-                if run and seq.blocks[run[-1]].priority != b.priority:
-                    self._announce_stored(seq, run)
-                    run = []
-                run.append(i)
-            else:
-                if run:
-                    self._announce_stored(seq, run)
-                    run = []
-                assert node.block is b or b.node is None, f"block {b.block_id} stored at two nodes"
-            if c == i and b.node is node:
-                c += 1
-        seq.stored = c
-        if run:
-            self._announce_stored(seq, run)
-
-    def _announce_stored(self, seq: Sequence, run: list[int]) -> None:
-        T, r = self.tokens_per_block, seq.request
-        first = run[0]
-        self._pool.events.put(BlockStored(
-            block_hashes=[seq.hashes[i] for i in run],
-            parent_block_hash=seq.hashes[first - 1] if first else None,
-            token_ids=seq.tokens[first * T:(run[-1] + 1) * T], block_size=T, lora_id=r.lora_id,
-            medium="GPU", cache_salt=r.cache_salt, priority=seq.blocks[first].priority))
-
     # ------------------------------------------------------------------ retention and clearing
 
     @_checked
     def refresh_blocks(self) -> None:
         """Blocks whose retention duration has passed fall back to the default priority."""
-        self._retention.refresh()
+        for w in self._windows:
+            w.retention.refresh()
 
     @_checked
     def clear(self) -> None:
         """Forget every reusable block (nothing may be running); announces ``AllBlocksCleared``."""
         if self._seqs or self._pinned:
             raise RuntimeError(f"clear() with {len(self._seqs) + len(self._pinned)} sequences still holding blocks")
-        self._pool.clear()
+        for w in self._windows:
+            w.pool.clear(announce=False)
+        self._events.put(AllBlocksCleared())
 
     # ------------------------------------------------------------------ queries
 
-    def get_block_ids(self, request_id: int, beam: int = 0) -> list[int]:
-        """Block ids of one beam of a running request, in sequence order."""
+    def get_block_ids(self, request_id: int, beam: int = 0, window: int = 0) -> list[int]:
+        """Block ids of one beam of a running request, in sequence order; with attention windows, of one window
+        (ids of ``window_blocks(window)``, -1 for a placeholder)."""
         seq = self._running(request_id)
+        if window != 0:
+            if type(window) is not int or not 0 < window < len(seq.windows):
+                raise ValueError(f"get_block_ids: window must be an int in 0..{len(seq.windows) - 1}, got {window!r}")
+            return [b.block_id for b in seq.windows[window]]
         if beam == 0:
             return [b.block_id for b in seq.blocks]
         if type(beam) is not int or not 0 < beam < seq.request.beam_width:
@@ -593,10 +473,17 @@ class KVCacheManager:
 
     def block_table(self, request_ids: Iterable[int]) -> torch.Tensor:
         """Primary pool slots, ``int32 [rows, max_blocks]``, -1 where a row is shorter: a row per request, or per
-        beam of a beam search (``beam_width`` consecutive rows, beam 0 first)."""
+        beam of a beam search (``beam_width`` consecutive rows, beam 0 first). With several attention windows
+        ``int32 [rows, windows, max_blocks]``: each window's slots in its own pools, -1 for a placeholder."""
+        seqs = [self._running(rid) for rid in request_ids]
+        if len(self._windows) > 1:
+            width = max((len(s.blocks) for s in seqs), default=0)
+            table = torch.full((len(seqs), len(self._windows), width), -1, dtype=torch.int32)
+            for i, s in enumerate(seqs):
+                table[i, :, :len(s.blocks)] = torch.tensor([[b.slot for b in w] for w in s.windows], dtype=torch.int32)
+            return table.to(self.pools.device)
         rows = []
-        for rid in request_ids:
-            seq = self._running(rid)
+        for seq in seqs:
             if seq.beams:
                 rows += [[b.slot for b in row] for row in seq.beam_rows(self.tokens_per_block)]
             else:
@@ -611,10 +498,10 @@ class KVCacheManager:
                              mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> PrefixReuseSummary:
         """What admitting ``tokens`` now would reuse (no state changes)."""
         validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
-        m = self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids) if tokens else _Match([])
-        self._decide_partial(m, set())
+        m = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids) if tokens else Match([])
+        decide_partial(m, set(), self.config.copy_on_partial_reuse)
         return PrefixReuseSummary(
-            reusable_blocks_allocated=sum(1 for b in m.full if b.ref_count > 0),
+            reusable_blocks_allocated=sum(1 for b in m.full if b.ref_count > 0),   # PLACEHOLDER's is 0
             reusable_blocks_all=len(m.full),
             total_matched_tokens=len(m.full) * self.tokens_per_block + m.partial_len,
             first_new_block=len(m.full))
@@ -626,7 +513,8 @@ class KVCacheManager:
             * self.tokens_per_block
 
     def get_needed_blocks_one_step(self, request_id: int, two_steps_lookahead: bool = False) -> int:
-        """Blocks the next step of a running request must allocate, every beam's: in its context, for the next
+        """Blocks the next step of a running request must allocate, every beam's and every window's: in its context,
+        for the next
         chunk (``add_context_chunk`` with the default size); decoding, for the token it samples and its
         ``num_draft_tokens`` drafts (two such steps with ``two_steps_lookahead``, TensorRT-LLM's
         ``twoStepsLookAhead``)."""
@@ -637,11 +525,12 @@ class KVCacheManager:
             return sum(self._chunk_blocks(seq, min(prompt, seq.num_tokens + (self.config.context_chunk_size
                                                                              or prompt))))
         return step_blocks(seq.num_tokens, len(seq.blocks), r.num_draft_tokens, r.beam_width, self.tokens_per_block,
-                           two_steps_lookahead)
+                           two_steps_lookahead) * len(self._windows)   # every window grows alike
 
     def get_context_budget(self, request: Request) -> ContextBudget:
         """What admitting ``request``'s context costs, as TensorRT-LLM's ``getNeededBlocksOneStep`` prices a
-        context: ``prompt + min(drafts, max_new_tokens)`` tokens (one full-attention window) plus the sink bubble,
+        context: ``prompt + min(drafts, max_new_tokens)`` tokens (at most ``window + chunk`` for a sliding window;
+        with several windows, the sum of their blocks and the least of their reuse) plus the sink bubble,
         the tail per beam, less the matched blocks running requests hold; and the prompt tokens the prefix tree is
         expected to supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
         request.validate()
@@ -649,17 +538,31 @@ class KVCacheManager:
         n = len(request.tokens)
         reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
                                           request.extra_ids) if self.config.enable_block_reuse else None
-        return context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width, T,
-                              self.config.context_chunk_size or n, None, sink_bubble(self.config.sink_tokens, T), reuse)
+        budgets = [context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width, T,
+                                  self.config.context_chunk_size or n, w.size, sink_bubble(self.config.sink_tokens, T),
+                                  reuse) for w in self._windows]
+        if len(budgets) == 1:
+            return budgets[0]
+        return ContextBudget(sum(b.blocks for b in budgets), min(b.estimated_reusable_tokens for b in budgets))
 
     def get_remaining_blocks_to_completion(self, request: Request) -> int:
         """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded), its last
-        step's draft tokens counted; a beam search's prompt blocks once, every later block per beam."""
+        step's draft tokens counted; a beam search's prompt blocks once, every later block per beam. With attention
+        windows, the sum over the windows, a sliding window's capped at the most it ever holds at once."""
         request.validate()
         total = blocks_to_completion(len(request.tokens), request.max_new_tokens, request.num_draft_tokens,
                                      request.beam_width, self.tokens_per_block)
         seq = self._seqs.get(request.request_id)
-        if seq is not None:
+        if self._windowed:   # a sliding window holds the prompt's blocks, then those of one window and one filling
+            T = self.tokens_per_block
+            span = [max(ceil_div(len(request.tokens), T), ceil_div(w.size + request.num_draft_tokens, T) + 1)
+                    if w.size is not None else total for w in self._windows]
+            totals = [min(total, s) for s in span]
+            if seq is not None:
+                return sum(max(0, t - sum(1 for b in blocks if b is not PLACEHOLDER))
+                           for t, blocks in zip(totals, seq.windows))
+            total = sum(totals)
+        elif seq is not None:
             return max(0, total - sum(len(h) for h in seq.holders()))
         summary = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt,
                                             request.mm_keys, request.extra_ids)
@@ -670,11 +573,7 @@ class KVCacheManager:
     @_checked
     def start_scheduling(self) -> None:
         """Open a scheduling round: tentative admissions and releases are counted apart from the real books."""
-        for holder in self._holders():
-            for b in holder:
-                b.sched_ref_count = b.ref_count
-        self._sched_free = self._pool.num_free(PRIMARY)
-        self._sched_taken = set()
+        self._round = SchedulingRound(self._windows, (self._holders(w) for w in range(len(self._windows))))
 
     @_checked
     def scheduling_add_sequence(self, request: Request) -> int:
@@ -683,77 +582,63 @@ class KVCacheManager:
         That is its new blocks, a primary block for each host-tier block it would
         onboard, and the blocks it would reuse that are free in this round (free
         now, or tentatively released by ``scheduling_remove_sequence``), each
-        counted once per round. The books do not change: ``add_sequences`` commits.
-        Raises ``OutOfBlocksError`` (reserving nothing) when the round lacks them.
+        counted once per round, in every attention window. The books do not
+        change: ``add_sequences`` commits. Raises ``OutOfBlocksError`` (reserving
+        nothing) when the round lacks them.
         """
         request.validate()
-        (plan,) = self._plan([request])
-        m = plan.match
-        take = plan.new_blocks
-        reused = [b for b in self._to_onboard(m) if b.block_id not in self._sched_taken]
-        free_now = [b for b in reused if (b.sched_ref_count if b.ref_count else 0) == 0]
-        take += len(free_now) + sum(1 for b in reused if b.tier == SECONDARY)
-        if take > self._sched_free:
-            raise OutOfBlocksError(take, self._sched_free, f"reserving request {request.request_id} in this round")
-        self._sched_free -= take
-        self._sched_taken.update(b.block_id for b in reused)
-        return take
+        (plan,) = self._admit.plan([request])
+        return self._round.reserve(plan.match, plan.new_blocks, request.request_id)
 
     @_checked
     def scheduling_remove_sequence(self, request_id: int) -> None:
         """Count the blocks that pausing ``request_id`` would free in this round."""
-        for holder in self._running(request_id).holders():
-            for b in holder:
-                b.sched_ref_count -= 1
-                if b.sched_ref_count == 0:
-                    self._sched_free += 1
+        seq = self._running(request_id)
+        self._round.release([seq.holders(), *((blocks,) for blocks in seq.windows[1:])])
 
     @property
     def scheduling_num_free_blocks(self) -> int:
-        return self._sched_free
+        return self._round.num_free
 
     # ------------------------------------------------------------------ reports
 
     def stats(self) -> KvCacheStats:
-        pool = self._pool
-        free = pool.num_free(PRIMARY)
-        looked = self._reused + self._missed
+        pools = [w.pool for w in self._windows]
+        per = tuple(WindowStats(w.size, w.pool.num_primary, w.pool.num_free(PRIMARY),
+                                w.pool.num_primary - w.pool.num_free(PRIMARY), w.pool.num_free(SECONDARY))
+                    for w in self._windows)
+        free = sum(w.free_num_blocks for w in per)
+        reused, missed = self._admit.reused, self._admit.missed
+        looked = reused + missed
         total_blocks = self.num_primary + self.num_secondary
         return KvCacheStats(
             max_num_blocks=self.num_primary, free_num_blocks=free, used_num_blocks=self.num_primary - free,
-            tokens_per_block=self.tokens_per_block, alloc_total_blocks=pool.alloc_total,
-            alloc_new_blocks=pool.alloc_new, reused_blocks=self._reused, missed_blocks=self._missed,
-            cache_hit_rate=self._reused / looked if looked else 0.0,
-            num_free_secondary_blocks=pool.num_free(SECONDARY),
+            tokens_per_block=self.tokens_per_block, alloc_total_blocks=sum(p.alloc_total for p in pools),
+            alloc_new_blocks=sum(p.alloc_new for p in pools), reused_blocks=reused, missed_blocks=missed,
+            cache_hit_rate=reused / looked if looked else 0.0,
+            num_free_secondary_blocks=sum(w.num_free_secondary_blocks for w in per),
             allocated_bytes=total_blocks * self.config.bytes_per_block if self.config.materialize else 0,
-            max_num_secondary_blocks=self.num_secondary, offloaded_blocks=pool.offloaded,
-            onboarded_blocks=pool.onboarded, events_dropped=pool.events.dropped)
+            max_num_secondary_blocks=self.num_secondary, offloaded_blocks=sum(p.offloaded for p in pools),
+            onboarded_blocks=sum(p.onboarded for p in pools), events_dropped=self._events.dropped, windows=per)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the event buffer, oldest first."""
-        return self._pool.events.take()
+        return self._events.take()
 
     def snapshot(self) -> list[StoredBlock]:
-        """Every reusable block, parents before children: enough for a router to rebuild this rank's index."""
-        out = []
-        stack: list[TreeNode] = [self._pool.tree.root]
-        while stack:
-            node = stack.pop()
-            b = node.block
-            if b is not None:
-                parent = node.parent.block if node.parent is not None else None
-                out.append(StoredBlock(block_hash=b.block_hash,
-                                       parent_hash=parent.block_hash if parent is not None else None,
-                                       token_ids=list(b.key.tokens), medium=b.medium, lora_id=b.key.lora_id,
-                                       cache_salt=b.key.cache_salt, priority=b.priority))
-            stack.extend(node.children.values())
-        return out
+        """Every reusable block (of every window), parents before children: enough for a router to rebuild this
+        rank's index."""
+        return self._storer.snapshot()
 
     def check_integrity(self) -> None:
         """Prove the books balance; raises ``AssertionError`` naming the first broken invariant."""
-        check_integrity(self._pool, self._holders())
+        for w in self._windows:
+            check_pool(w.pool, self._holders(w.index))
+        check_tree(self._tree)
         check_sequences(self._seqs.values(), self.tokens_per_block)
 
-    def _holders(self) -> list[list[Block]]:
-        """Every block list that holds references: running sequences' (every beam's own) and pins."""
+    def _holders(self, window: int = 0) -> list[list[Block]]:
+        """Every block list that holds references in ``window``: running sequences' (every beam's own) and pins."""
+        if window:
+            return [s.windows[window] for s in self._seqs.values()]
         return [*(h for s in self._seqs.values() for h in s.holders()), *self._pinned.values()]

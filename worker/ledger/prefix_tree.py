@@ -1,7 +1,8 @@
 """The prefix tree of stored full blocks, matched by key (never by hash alone).
 
 A node stands for one block key following its parent's prefix and holds at
-most one block. Evicting a block empties only its node: the descendants stay,
+most one block per attention window (one tree for every window, as
+TensorRT-LLM's VSWA keeps). Evicting a block empties only its node: the descendants stay,
 unreachable until the missing block is stored again. Nodes with neither a
 block nor children are pruned.
 """
@@ -25,15 +26,27 @@ class TreeNode:
     key: BlockKey | None
     parent: TreeNode | None
     block: Block | None = None
+    """Window 0's block, so that the common one-window tree reads one attribute."""
+    others: list[Block | None] | None = None
+    """The blocks of windows 1.. (``None`` in a one-window tree)."""
     children: dict[BlockKey, TreeNode] = field(default_factory=dict)
     by_bucket: dict[_Bucket, list[TreeNode]] = field(default_factory=dict)
 
 
-class PrefixTree:
-    __slots__ = ("root", "num_nodes")
+    def block_of(self, window: int) -> Block | None:
+        return self.block if window == 0 else self.others[window - 1]
 
-    def __init__(self) -> None:
-        self.root = TreeNode(key=None, parent=None)
+    def is_empty(self) -> bool:
+        """Whether no window holds a block here."""
+        return self.block is None and (self.others is None or not any(self.others))
+
+
+class PrefixTree:
+    __slots__ = ("root", "num_nodes", "num_windows")
+
+    def __init__(self, num_windows: int = 1) -> None:
+        self.num_windows = num_windows
+        self.root = TreeNode(key=None, parent=None, others=[None] * (num_windows - 1) if num_windows > 1 else None)
         self.num_nodes = 0
 
     def child(self, node: TreeNode, key: BlockKey) -> TreeNode | None:
@@ -56,34 +69,50 @@ class PrefixTree:
         found = node.children.get(key)
         if found is not None:
             return found
-        new = TreeNode(key=key, parent=node)
+        new = TreeNode(key, node)
+        if self.num_windows > 1:
+            new.others = [None] * (self.num_windows - 1)
         node.children[key] = new
         node.by_bucket.setdefault(_bucket(key), []).append(new)
         self.num_nodes += 1
         return new
 
     def attach(self, node: TreeNode, block: Block) -> None:
-        assert node.block is None and block.node is None, "attach over an occupied node or a stored block"
-        node.block, block.node = block, node
+        assert block.node is None, f"block {block.block_id} is stored already"
+        w = block.window
+        if w == 0:
+            assert node.block is None, "attach over an occupied node"
+            node.block = block
+        else:
+            assert node.others[w - 1] is None, "attach over an occupied node"
+            node.others[w - 1] = block
+        block.node = node
 
     def detach(self, block: Block) -> None:
-        """Take ``block`` out of the tree; its node stays while it has children."""
-        node = block.node
-        assert node is not None and node.block is block, f"block {block.block_id} is not in the tree"
-        node.block, block.node = None, None
+        """Take ``block`` out of the tree; its node stays while it holds another window's block or has children."""
+        node, w = block.node, block.window
+        if w == 0:
+            assert node is not None and node.block is block, f"block {block.block_id} is not in the tree"
+            node.block = None
+        else:
+            assert node is not None and node.others[w - 1] is block, f"block {block.block_id} is not in the tree"
+            node.others[w - 1] = None
+        block.node = None
         self._prune(node)
 
     def _prune(self, node: TreeNode) -> None:
-        while node.parent is not None and node.block is None and not node.children:
+        while node.parent is not None and node.block is None and not node.children and (
+                node.others is None or not any(node.others)):
             parent = node.parent
             del parent.children[node.key]
-            bucket = parent.by_bucket[_bucket(node.key)]
+            where = _bucket(node.key)
+            bucket = parent.by_bucket[where]
             bucket.remove(node)
             if not bucket:
-                del parent.by_bucket[_bucket(node.key)]
+                del parent.by_bucket[where]
             node.parent = None
             self.num_nodes -= 1
             node = parent
 
     def has_stored_children(self, node: TreeNode) -> bool:
-        return any(c.block is not None or c.children for c in node.children.values())
+        return any(not c.is_empty() or c.children for c in node.children.values())

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import heapq
 
+from kvledger.worker.ledger.block import PLACEHOLDER, Block
 from kvledger.worker.ledger.block_pool import BlockPool
 from kvledger.worker.ledger.eviction import level_of
-from kvledger.worker.ledger.sequence import Sequence
 from kvledger.worker.wire.events import BlockUpdated
-from kvledger.worker.wire.request import DEFAULT_PRIORITY
+from kvledger.worker.wire.request import DEFAULT_PRIORITY, Request
 
 
 class Retention:
@@ -29,28 +29,31 @@ class Retention:
         self._pool = pool
         self._tokens_per_block = tokens_per_block
 
-    def apply(self, seq: Sequence, first: int) -> None:
-        """Give blocks ``first..`` of ``seq`` the priority (and duration) its request asks for at their positions.
+    def apply(self, request: Request, blocks: list[Block], first: int) -> None:
+        """Give ``blocks[first:]`` (a sequence's blocks in one window) the priority (and duration) ``request`` asks
+        for at their positions; placeholders are skipped.
 
         A request without a retention config leaves the priority of the blocks it
         reuses alone (new blocks start at the default), so plain traffic never
         demotes a prefix someone asked to keep.
         """
-        retention = seq.request.retention
+        retention = request.retention
         if retention is None:
             return
         T = self._tokens_per_block
-        prompt_len = len(seq.request.tokens)
-        for i in range(first, len(seq.blocks)):
+        prompt_len = len(request.tokens)
+        for i in range(first, len(blocks)):
+            b = blocks[i]
+            if b is PLACEHOLDER:
+                continue
             pri, dur = retention.for_block(i * T, (i + 1) * T, prompt_len)
-            b = seq.blocks[i]
             b.duration_s = dur
             if dur is not None:
                 self._pool.timed = True
             if b.priority != pri:
                 if b.block_hash is not None:
                     self._pool.events.put(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,
-                                                       new_priority=pri))
+                                                       new_priority=pri, group_idx=b.window))
                 b.priority = pri
 
     def refresh(self) -> None:
@@ -70,7 +73,7 @@ class Retention:
             if b.priority != DEFAULT_PRIORITY:
                 if b.block_hash is not None:
                     pool.events.put(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,
-                                                 new_priority=DEFAULT_PRIORITY))
+                                                 new_priority=DEFAULT_PRIORITY, group_idx=pool.window))
                 b.priority = DEFAULT_PRIORITY
                 if b.level != level_of(b):
                     moved.append(b)

@@ -30,6 +30,15 @@ class Sequence:
     beams: tuple[list[Block], ...] = ()
     """Own blocks of beams 1.. of a beam search (``blocks`` is beam 0's row); each beam's row is
     ``blocks[:len(prompt) // tokens_per_block]`` (shared) followed by its own blocks."""
+    windows: tuple[list[Block], ...] = ()
+    """The block list of every attention window, ``blocks`` first (window 0); all as long as ``blocks``, a sliding
+    window's with ``PLACEHOLDER`` where its blocks slid out (or were never needed)."""
+    sliding: tuple[int | None, ...] = ()
+    """Each window's size in tokens (``None``: full attention), as ``windows``."""
+    slid: list[int] = field(default_factory=list)
+    """Per window, the leading block positions no longer held (placeholders from the start up to there)."""
+    floor: int = 0
+    """Fewest tokens the sequence can be rewound to: a sliding window released what queries before it needed."""
 
     def beam_rows(self, tokens_per_block: int) -> list[list[Block]]:
         """Every beam's blocks in order, beam 0 first."""

@@ -5,6 +5,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class WindowStats:
+    """One attention window's device-tier blocks."""
+
+    window: int | None
+    """Its size in tokens; ``None``: full attention."""
+    max_num_blocks: int
+    free_num_blocks: int
+    used_num_blocks: int
+    num_free_secondary_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class KvCacheStats:
     max_num_blocks: int
     free_num_blocks: int
@@ -26,6 +38,8 @@ class KvCacheStats:
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
     events_dropped: int = 0
+    windows: tuple[WindowStats, ...] = ()
+    """Per attention window (``CacheConfig.window_layouts`` order); the block counts above are their sums."""
 
 
 @dataclass(frozen=True, slots=True)

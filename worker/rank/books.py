@@ -43,42 +43,49 @@ class RankBooks:
         self.lock = threading.Lock()
         self.manager: KVCacheManager | None = None
         self.publisher: EventPublisher | None = None
-        self._local_counts: tuple[int, int] | None = None
+        self._local_counts: tuple[int, ...] | None = None
         self.faults = CrashPoints(rank)
         """Crashes armed on purpose (``RankWorker.arm_crash``); every part of the rank reports its points here."""
 
-    def local_block_counts(self) -> tuple[int, int]:
-        """Blocks that fit this rank's budget: (device tier, host tier).
+    def local_block_counts(self) -> tuple[int, ...]:
+        """Blocks that fit this rank's budget: (device tier, host tier), and so on for every further attention window
+        (``CacheConfig.window_layouts``): ``(device 0, host 0, device 1, host 1, ...)``, a flat tuple that the MIN
+        all-reduce takes element-wise, so that every rank agrees on every window's counts.
 
         Device tier: the configured byte budget (``CacheConfig.primary_bytes`` or
         block count); on CUDA without a byte budget, ``gpu_memory_fraction`` of the
         free device memory, measured once, before this rank allocated its pools (a
-        group re-formed later must not count the rank's own pool against it).
-        Host tier: the configured budget.
+        group re-formed later must not count the rank's own pool against it), split
+        between the windows as ``window_shares`` says. Host tier: the configured budget.
         """
         if self._local_counts is None:
-            bpb = self.template.bytes_per_block
-            if self.device.type == "cuda" and self.template.primary_bytes is None:
+            cfg = self.template
+            if self.device.type == "cuda" and cfg.primary_bytes is None:
                 free, _total = torch.cuda.mem_get_info(self.device)
-                primary = int(free * self.gpu_memory_fraction) // bpb
-            else:
-                primary = self.template.primary_blocks()
-            self._local_counts = (primary, self.template.secondary_blocks())
+                cfg = dataclasses.replace(cfg, primary_bytes=int(free * self.gpu_memory_fraction), window_blocks=None)
+            self._local_counts = tuple(n for pair in cfg.window_block_counts() for n in pair)
         return self._local_counts
 
-    def build(self, num_primary: int, num_secondary: int) -> tuple[int, int]:
-        """Build (or keep, when the counts are unchanged) the ledger with these block counts."""
+    def build(self, num_primary: int, num_secondary: int, *more_windows: int) -> tuple[int, ...]:
+        """Build (or keep, when the counts are unchanged) the ledger with these block counts: window 0's device and
+        host tiers, then ``(device, host)`` of every further attention window, as ``local_block_counts`` orders them."""
+        counts = (num_primary, num_secondary, *more_windows)
+        windows = tuple(zip(counts[::2], counts[1::2]))
+        if len(counts) != 2 * len(self.template.window_layouts):
+            raise ValueError(f"rank {self.rank}: the ledger has {len(self.template.window_layouts)} attention windows; "
+                             f"build takes a (device, host) pair for each, got {counts}")
         with self.lock:
-            if self.manager is not None and (self.manager.num_primary, self.manager.num_secondary) == (
-                    num_primary, num_secondary):
-                return num_primary, num_secondary
+            if self.manager is not None and self.manager.window_block_counts == windows:
+                return counts
             cfg = dataclasses.replace(self.template, num_primary_blocks=num_primary,
-                                      num_secondary_blocks=num_secondary, primary_bytes=None, secondary_bytes=None)
+                                      num_secondary_blocks=num_secondary, primary_bytes=None, secondary_bytes=None,
+                                      window_blocks=windows if len(windows) > 1 else None)
             self.manager = KVCacheManager(cfg, clock=self.clock or time.monotonic)
-            self.publisher = EventPublisher(self.manager, self.rank, self.replay_size, clock=self.clock or time.time)
-            logger.info("rank %d: ledger of %d device + %d host blocks on %s", self.rank, num_primary,
-                        num_secondary, self.device)
-            return num_primary, num_secondary
+            self.publisher = EventPublisher(self.manager, self.rank, self.replay_size, clock=self.clock or time.time,
+                                            faults=self.faults)
+            logger.info("rank %d: ledger of %s (device, host) blocks per attention window on %s", self.rank,
+                        windows, self.device)
+            return counts
 
     def ledger(self) -> KVCacheManager:
         """The built ledger (the caller holds ``lock``), or ``RankNotReadyError``."""

@@ -28,6 +28,12 @@ class StoredBlock:
     lora_id: int | None
     cache_salt: str | None
     priority: int
+    group_idx: int = 0
+    """The attention window group holding it (as ``BlockStored.group_idx``)."""
+    kv_cache_spec_kind: str | None = None
+    """Its group's attention, ``"full_attention"`` or ``"sliding_window"`` (``None``: a model without windows)."""
+    kv_cache_spec_sliding_window: int | None = None
+    """Its group's window in tokens, for a sliding window."""
 
 
 @dataclass(frozen=True, slots=True)

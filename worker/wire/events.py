@@ -44,10 +44,15 @@ class BlockStored:
     cache_salt: str | None = None
     priority: int | None = None
     group_idx: int = 0
+    """The KV cache group (attention window) of the blocks, as vLLM numbers its groups; 0 for one window."""
     kv_cache_spec_kind: str | None = None
+    """``"full_attention"`` or ``"sliding_window"`` (vLLM's ``KVCacheSpecKind`` values); ``None`` from a rank that
+    does not say (a model without ``attention_windows``, an older vLLM)."""
     extra_keys: list[list | None] | None = None
     """vLLM's per-block extra keys, untagged as it publishes them (LoRA name, ``[mm id, offset]`` pairs, cache
     salt, prompt-embeds digests); kvledger's own ranks send none. Kept so a salted vLLM block maps right."""
+    kv_cache_spec_sliding_window: int | None = None
+    """The group's window in tokens, for a sliding window (vLLM's field of the same name)."""
 
 
 @dataclass(slots=True)
@@ -81,6 +86,8 @@ class BlockUpdated:
     new_medium: Medium | None = None
     old_priority: int | None = None
     new_priority: int | None = None
+    group_idx: int = 0
+    """The attention window group of the block (as ``BlockStored.group_idx``)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | KVCacheCreated | BlockUpdated
@@ -168,6 +175,10 @@ def _positive_int(v: object, where: str) -> int:
     return v
 
 
+def _opt_positive_int(v: object, where: str) -> int | None:
+    return None if v is None else _positive_int(v, where)
+
+
 def _count(v: object, where: str) -> int:
     if type(v) is not int or v < 0:
         raise _bad(where, "a non-negative int", v)
@@ -224,6 +235,7 @@ _CHECKS: dict[str, _Check] = {
     "group_idx": _count,
     "kv_cache_spec_kind": _opt_str,
     "extra_keys": _opt_extra_keys,
+    "kv_cache_spec_sliding_window": _opt_positive_int,
     "num_blocks": _tier_counts,
     "block_hash": check_hash,
     "old_medium": check_medium,
@@ -237,6 +249,7 @@ _CHECKS: dict[str, _Check] = {
 _VLLM_ARRAY_SLOTS: dict[str, int] = {
     "block_hashes": 1, "parent_block_hash": 2, "token_ids": 3, "block_size": 4, "lora_id": 5,
     "medium": 6, "lora_name": 7, "extra_keys": 8, "group_idx": 9, "kv_cache_spec_kind": 10,
+    "kv_cache_spec_sliding_window": 11,
 }
 
 
@@ -377,6 +390,7 @@ _TYPES: dict[str, object] = {
     "group_idx": _Nat,
     "kv_cache_spec_kind": Union[str, None],
     "extra_keys": Union[list[Union[list, None]], None],
+    "kv_cache_spec_sliding_window": Union[Annotated[int, msgspec.Meta(gt=0)], None],
     "num_blocks": dict[str, _Nat],
     "block_hash": _Nat,
     "old_medium": _MediumType,

@@ -31,6 +31,21 @@ class ServeOutcome:
     """Each output token's log-probability, when the request's ``sampling.logprobs`` asked for them."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per output token, the most likely tokens and their log-probabilities (``sampling.logprobs`` of them)."""
+    admitted_step: int = 0
+    """The rank's step at which the request joined the running batch (steps count from 1)."""
+    finished_step: int = 0
+    """The rank's step after which it left the batch, served."""
+
+
+class RankBusyError(RuntimeError):
+    """The rank's queue is full: the requests were not taken (nothing changed); send them again later."""
+
+    def __init__(self, rank: int, queued: int, limit: int) -> None:
+        super().__init__(rank, queued, limit)
+        self.rank, self.queued, self.limit = rank, queued, limit
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} is busy: {self.queued} requests queued (max_queued_requests={self.limit})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +71,11 @@ class RankLoad:
     publishing: bool = False
     """Whether a publisher thread pushes this rank's event batches."""
     queued_prefill_tokens: int = 0
-    """Prompt tokens of the requests waiting for the ledger."""
+    """Prompt tokens of the requests waiting to join the running batch."""
     queued_requests: int = 0
+    """Requests waiting to join the running batch."""
     running_requests: int = 0
+    """Requests in the running batch (prefilling or decoding)."""
     served_requests: int = 0
     device_blocks_used: int = 0
     device_blocks_free: int = 0
@@ -68,6 +85,16 @@ class RankLoad:
     """The ledger's reused / (reused + missed) blocks."""
     published_batches: int = 0
     """Event batches the rank has published (the number its next one gets): a router behind it has lost some."""
+    steps: int = 0
+    """Steps the running batch has taken."""
+    peak_running_requests: int = 0
+    """Most requests the batch ever ran at once (at most ``max_num_seqs``)."""
+    peak_step_tokens: int = 0
+    """Most tokens one step ever computed (at most ``max_num_batched_tokens``)."""
+    preempted_requests: int = 0
+    """Requests taken out of the batch to start over because a step found its blocks taken."""
+    refused_requests: int = 0
+    """Requests refused because the queue was full."""
 
     @property
     def device_blocks(self) -> int:

@@ -1,0 +1,169 @@
+"""Admission: what a batch of requests reuses, whether it fits, and the sequences it becomes.
+
+Every request of a batch claims its matches (matching.py) before any block is
+allocated, so one request's allocation cannot evict what another was counted
+to reuse; capacity is checked in every attention window before anything
+changes, so a refused batch leaves the books as they were. A partly matching
+block is taken in place when nobody else holds it, else copied; a beam search
+gives beams 1.. their own last context block where the prompt ends mid-block.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from kvledger.worker.ledger.block import PRIMARY, SECONDARY, Block
+from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.ledger.kv_pool import TieredPools
+from kvledger.worker.ledger.matching import Match, decide_partial, match_prompt
+from kvledger.worker.ledger.prefix_tree import PrefixTree
+from kvledger.worker.ledger.sequence import Sequence
+from kvledger.worker.ledger.stats import Admission
+from kvledger.worker.ledger.window import WindowManager, WindowPools
+from kvledger.worker.wire.block_key import MmKey
+from kvledger.worker.wire.errors import OutOfBlocksError
+from kvledger.worker.wire.request import Request
+
+
+@dataclass(slots=True)
+class Plan:
+    """One request's admission, decided before anything changes."""
+
+    request: Request
+    match: Match
+    new_blocks: int
+    """Blocks to allocate, the copy destination of a partial match and the other beams' tails included."""
+    end: int
+    """End of the first context chunk: the whole prompt unless chunked."""
+    tails: int
+    """Own last context blocks of beams 1.. (a beam search whose first chunk ends the prompt mid-block)."""
+
+
+class Admitter:
+    """Plans, checks and applies admissions over a ledger's windows; counts the prompt blocks reused and missed."""
+
+    __slots__ = ("config", "tokens_per_block", "pools", "reused", "missed", "_tree", "_windows", "_pool",
+                 "_windowed")
+
+    def __init__(self, config: CacheConfig, tree: PrefixTree, windows: Seq[WindowManager],
+                 pools: TieredPools | WindowPools) -> None:
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.pools = pools
+        self.reused = self.missed = 0
+        """Prompt blocks served from the cache (fully or partly), and computed."""
+        self._tree, self._windows, self._pool = tree, windows, windows[0].pool
+        self._windowed = len(windows) > 1 or windows[0].size is not None
+
+    def plan(self, requests: Seq[Request]) -> list[Plan]:
+        """Decide every request's reuse without changing anything (a dry run of the claims)."""
+        T = self.tokens_per_block
+        chunk = self.config.context_chunk_size
+        claimed: set[int] = set()
+        taken: set[int] = set()
+        plans = []
+        for r in requests:
+            m = self.match(r.tokens, r.lora_id, r.cache_salt, r.mm_keys, r.extra_ids, taken)
+            decide_partial(m, claimed, self.config.copy_on_partial_reuse)
+            if m.in_place:
+                taken.add(m.partial.block_id)
+            claimed.update(b.block_id for b in m.full)
+            if m.partial is not None:
+                claimed.add(m.partial.block_id)
+            end = len(r.tokens) if chunk is None else min(len(r.tokens), len(m.full) * T + m.partial_len + chunk)
+            tails = self.tails(r, end) if r.beam_width > 1 else 0
+            plans.append(Plan(r, m, -(-end // T) - len(m.full) - (1 if m.in_place else 0) + tails, end, tails))
+        return plans
+
+    def tails(self, r: Request, end: int) -> int:
+        """Blocks beams 1.. need of their own when a context chunk reaches ``end``: the prompt's last block, where
+        the prompt ends mid-block (TensorRT-LLM shares it among the beams only when the prompt fills it)."""
+        return r.beam_width - 1 if end == len(r.tokens) and end % self.tokens_per_block else 0
+
+    def match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
+               extra_ids: Seq[int] | None, taken: set[int] = frozenset()) -> Match:
+        if not self.config.enable_block_reuse:
+            return Match([], windows=[[] for _ in self._windows] if self._windowed else None)
+        return match_prompt(self._tree, self._windows, tokens, lora_id, cache_salt, mm_keys, extra_ids,
+                            self.config.enable_partial_reuse, taken)
+
+    def check_capacity(self, plans: list[Plan]) -> None:
+        """Every window must have the free blocks the batch takes: new ones, onboard targets, and the free blocks it
+        reuses."""
+        for w in self._windows:
+            held = {b.block_id: b for p in plans for b in p.match.to_onboard(w.index)}
+            if w.index == 0:
+                held.update((p.match.partial.block_id, p.match.partial) for p in plans if p.match.partial is not None)
+            free_claimed = sum(1 for b in held.values() if b.tier == PRIMARY and b.ref_count == 0)
+            onboards = len({b.block_id for p in plans for b in p.match.to_onboard(w.index) if b.tier == SECONDARY})
+            needed = sum(p.new_blocks for p in plans) + onboards
+            available = w.pool.num_free(PRIMARY) - free_claimed
+            if needed > available:
+                what = f"admitting request(s) {[p.request.request_id for p in plans]}{self.in_window(w)}"
+                raise OutOfBlocksError(needed, available, what)
+
+    def in_window(self, w: WindowManager) -> str:
+        """Where a refusal happened, for its message: nothing to add for one window."""
+        return f" in attention window {w.index} ({w.size or 'full'})" if len(self._windows) > 1 else ""
+
+    def apply(self, plans: list[Plan]) -> list[Sequence]:
+        T = self.tokens_per_block
+        pool = self._pool
+        copy_sources: list[Block] = []
+        for p in plans:
+            for w in self._windows:
+                ref = w.pool.ref
+                for b in p.match.held(w.index):
+                    ref(b)
+            part = p.match.partial
+            if part is not None:
+                pool.ref(part)
+                if p.match.in_place:
+                    pool.forget(part)
+                else:
+                    copy_sources.append(part)
+        onboarded = []
+        for p in plans:
+            n_moved = 0
+            for w in self._windows:
+                moved = [b for b in p.match.to_onboard(w.index) if b.tier == SECONDARY]
+                w.pool.onboard_n(moved)
+                n_moved += len(moved)
+            onboarded.append(n_moved)
+        seqs = []
+        for p, n_onboarded in zip(plans, onboarded):
+            r, m = p.request, p.match
+            blocks = list(m.full)
+            copied = 0
+            if m.partial is not None:
+                if m.in_place:
+                    blocks.append(m.partial)
+                else:
+                    dst = pool.take_free(count_alloc=True)
+                    self.pools.plan(m.partial.tier, m.partial.slot, PRIMARY, dst.slot)
+                    dst.ref_count = 1
+                    blocks.append(dst)
+                    copied = 1
+            w0 = self._windows[0]
+            blocks += w0.alloc(p.new_blocks - copied - p.tails)
+            windows = (blocks, *(m.windows[w.index] + w.alloc(p.new_blocks) for w in self._windows[1:]))
+            n_reused = len(m.full) + (1 if m.partial is not None else 0)
+            self.reused += n_reused
+            self.missed += -(-len(r.tokens) // T) - n_reused   # the whole prompt's, chunked or not
+            prepop = len(m.full) * T + m.partial_len
+            adm = Admission(prepopulated_tokens=prepop, reused_blocks=len(m.full), partial_tokens=m.partial_len,
+                            copied_blocks=copied, onboarded_blocks=n_onboarded, allocated_blocks=p.new_blocks)
+            seq = Sequence(request=r, blocks=blocks, num_tokens=p.end, admission=adm, tokens=list(r.tokens),
+                           keys=m.keys[:len(r.tokens) // T] if m.keys else [],
+                           hashes=[] if self._windowed else [b.block_hash for b in m.full], stored=len(m.full),
+                           chunk_start=prepop, windows=windows, sliding=tuple(w.size for w in self._windows),
+                           slid=[w.first_needed(prepop) for w in self._windows])
+            if r.beam_width > 1:
+                seq.beams = tuple(w0.alloc(1 if p.tails else 0) for _ in range(r.beam_width - 1))
+            for w, wb in zip(self._windows, windows):
+                w.retention.apply(r, wb, 0)
+            seqs.append(seq)
+        for b in copy_sources:
+            pool.unref(b)
+        self.pools.flush()
+        return seqs

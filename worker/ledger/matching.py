@@ -1,0 +1,128 @@
+"""Matching a prompt against the prefix tree: what an admission could reuse, decided without changing anything.
+
+One full-attention window matches as TensorRT-LLM does: full blocks along the
+prompt's keys up to the first missing one, then possibly one partly matching
+block. With attention windows (VSWA) a match follows the safe-prefix rule: a
+prefix of ``n`` blocks counts only if every window can serve it, that is, holds
+every block the queries from position ``n * tokens_per_block`` on attend to:
+all ``n`` for full attention, only the blocks of the last ``window`` tokens for
+a sliding window (whose earlier positions become placeholders). Partial
+matches apply to one full-attention window only.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from operator import itemgetter
+
+from kvledger.worker.ledger.block import PLACEHOLDER, Block
+from kvledger.worker.ledger.prefix_tree import PrefixTree, TreeNode
+from kvledger.worker.ledger.window import WindowManager
+from kvledger.worker.wire.block_key import BlockKey, MmKey, block_keys
+
+
+@dataclass(slots=True)
+class Match:
+    """What the tree offers one prompt: full blocks, then possibly one partly matching block."""
+
+    full: list[Block]
+    """Window 0's blocks of the matched positions (placeholders where a sliding window 0 needs none)."""
+    partial: Block | None = None
+    partial_len: int = 0
+    in_place: bool = False
+    keys: list[BlockKey] | None = None
+    """The prompt's block keys (the trailing partial block included), reused by the store."""
+    windows: list[list[Block]] | None = None
+    """Every window's blocks of the matched positions, ``full`` first; ``None`` for one full-attention window."""
+    window_held: list[list[Block]] | None = None
+    """Of each window, the blocks the match would hold (``windows`` without its placeholders)."""
+
+    def held(self, window: int) -> list[Block]:
+        """The blocks of window ``window`` the match would hold (placeholders left out)."""
+        return self.full if self.window_held is None else self.window_held[window]
+
+    def to_onboard(self, window: int) -> list[Block]:
+        """Blocks of ``window`` the match uses in place (a copied partial block is read from wherever it lies)."""
+        held = self.held(window)
+        return [*held, self.partial] if self.in_place and window == 0 else held
+
+
+def match_prompt(tree: PrefixTree, windows: Seq[WindowManager], tokens: Seq[int], lora_id: int | None,
+                 cache_salt: str | None, mm_keys: Seq[MmKey], extra_ids: Seq[int] | None, partial: bool,
+                 taken: set[int] | frozenset[int] = frozenset()) -> Match:
+    """Walk the tree with the prompt's keys; the last prompt token is never matched. ``taken``: window 0's blocks
+    an earlier request of the batch takes in place (not shareable)."""
+    T = windows[0].tokens_per_block
+    usable = len(tokens) - 1
+    n_full = usable // T
+    keys = block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt, mm_keys=mm_keys,
+                      extra_ids=extra_ids, include_partial=True)
+    if len(windows) > 1 or windows[0].size is not None:
+        return _match_windows(tree, windows, keys, n_full)
+    node = tree.root
+    full: list[Block] = []
+    for key in keys[:n_full]:
+        child = node.children.get(key)
+        if child is None or child.block is None or child.block.block_id in taken:
+            break
+        full.append(child.block)
+        node = child
+    m = Match(full, keys=keys)
+    limit = min(T, usable - len(full) * T)
+    if partial and limit > 0 and len(full) < len(keys):
+        cand, n = tree.best_partial(node, keys[len(full)], limit)
+        if cand is not None:  # a block taken in place by an earlier request can still be copied
+            m.partial, m.partial_len = cand.block, n
+    return m
+
+
+def _match_windows(tree: PrefixTree, windows: Seq[WindowManager], keys: list[BlockKey], n_full: int) -> Match:
+    """The longest prefix every window can serve (see the module docstring).
+
+    A sliding window of ``size`` tokens serves a prefix of ``depth`` blocks when it holds the last
+    ``min(depth, ceil((size - 1) / T))`` of them (``first_needed`` of the first computed position on).
+    """
+    T = windows[0].tokens_per_block
+    full = [w.index for w in windows if w.size is None]
+    of_full = itemgetter(*full, full[0]) if full else None   # a node's full-attention blocks, always as a tuple
+    slide = [(w.index, -(-(w.size - 1) // T)) for w in windows if w.size is not None]
+    runs = [0] * len(slide)   # blocks held back to back up to the current depth, per sliding window
+    several = len(windows) > 1   # else the tree keeps no ``others``
+    path: list[TreeNode] = []
+    node = tree.root
+    best = 0
+    for depth, key in enumerate(keys[:n_full], 1):
+        child = node.children.get(key)
+        if child is None:
+            break
+        row = (child.block, *child.others) if several else (child.block,)   # the node's block of every window
+        if of_full is not None and None in of_full(row):
+            break   # a full-attention window misses a block: no longer prefix is servable
+        path.append(child)
+        node = child
+        servable = True
+        for j, (i, need) in enumerate(slide):
+            run = runs[j] + 1 if row[i] is not None else 0
+            runs[j] = run
+            if run < need and run < depth:
+                servable = False
+        if servable:
+            best = depth
+    lists, held = [], []
+    for w in windows:
+        start = w.first_needed(best * T)
+        nodes = path[start:best]
+        own = [n.block for n in nodes] if w.index == 0 else [n.others[w.index - 1] for n in nodes]
+        held.append(own)
+        lists.append([PLACEHOLDER] * start + own if start else own)
+    return Match(lists[0], keys=keys, windows=lists, window_held=held)
+
+
+def decide_partial(m: Match, claimed: set[int], copy_on_partial_reuse: bool) -> None:
+    """Reuse a partly matching block in place when nobody else holds it and it is a leaf, else copy it."""
+    p = m.partial
+    if p is None:
+        return
+    m.in_place = p.ref_count == 0 and p.block_id not in claimed and not p.node.children
+    if not m.in_place and not copy_on_partial_reuse:
+        m.partial, m.partial_len = None, 0

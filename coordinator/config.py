@@ -8,6 +8,7 @@ import torch
 
 from kvledger.worker.device import DeviceChoice
 from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.rank.scheduler import BatchingConfig
 
 MiB = 1 << 20
 
@@ -53,6 +54,12 @@ class ClusterConfig:
     """How often Ray restarts a dead rank actor."""
     seed: int = 0
     """Reference-engine seed: the same on every rank, so any rank's KV is valid on any other."""
+    max_num_seqs: int = BatchingConfig().max_num_seqs
+    """Requests each rank runs in its batch at once (continuous batching: new ones join at step boundaries)."""
+    max_num_batched_tokens: int = BatchingConfig().max_num_batched_tokens
+    """Tokens one step of a rank computes at most (one per decoding request; long prompts prefill in chunks)."""
+    max_queued_requests: int = BatchingConfig().max_queued_requests
+    """Requests waiting on each rank to join its batch; past it the rank refuses (the router answers 429)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 0:
@@ -71,3 +78,8 @@ class ClusterConfig:
             raise ValueError(f"unknown placement strategy {self.placement_strategy!r}")
         if not self.group_timeout_s > 0 or not self.call_timeout_s > 0:
             raise ValueError("ClusterConfig timeouts must be > 0")
+        self.batching()   # bounds out of range fail here, naming the field
+
+    def batching(self) -> BatchingConfig:
+        """Each rank's batch and queue bounds."""
+        return BatchingConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_queued_requests)

@@ -11,6 +11,9 @@ import numpy as np
 from kvledger.replay.bounds import Bounds
 from kvledger.replay.simulator import PolicyRun
 
+#: Time to first token within which an answer counts as goodput (DistServe's "requests that meet their SLO").
+GOODPUT_TTFT_S = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class PolicySummary:
@@ -40,9 +43,15 @@ class PolicySummary:
     makespan_s: float = 0.0
     wall_s: float = 0.0
     """Wall-clock seconds this policy's replay took."""
+    shed: int = 0
+    """Requests the router refused with 429 (no room then): never answered, so not in the TTFT figures."""
+    goodput_rps: float = 0.0
+    """Requests answered within ``GOODPUT_TTFT_S`` of their arrival, per second of the makespan."""
 
 
-def summarize(run: PolicyRun, bounds: Bounds, ranks: int) -> PolicySummary:
+def summarize(run: PolicyRun, bounds: Bounds, ranks: int, shed: int = 0) -> PolicySummary:
+    """The figures of one policy's run; ``shed``: its requests refused with 429 (a replay over HTTP counts them,
+    the simulator's ranks queue everything)."""
     prompt = int(run.prompt_tokens.sum())
     cached = int(run.cached_tokens.sum())
     hit = cached / prompt if prompt else 0.0
@@ -61,7 +70,8 @@ def summarize(run: PolicyRun, bounds: Bounds, ranks: int) -> PolicySummary:
         output_tokens_per_s=run.output_tokens / span if span > 0 else 0.0,
         hit_rate_vs_pooled_lru=hit / lru if lru > 0 else math.nan,
         work_per_rank_s=[round(w, 3) for w in run.work_s],
-        requests_per_rank=np.bincount(run.rank, minlength=ranks).tolist(), makespan_s=span, wall_s=run.wall_s)
+        requests_per_rank=np.bincount(run.rank, minlength=ranks).tolist(), makespan_s=span, wall_s=run.wall_s,
+        shed=shed, goodput_rps=int((run.ttft_s <= GOODPUT_TTFT_S).sum()) / span if span > 0 else 0.0)
 
 
 def to_json(meta: dict[str, object], bounds: Bounds, summaries: dict[str, PolicySummary]) -> dict[str, object]:
@@ -92,7 +102,7 @@ def render_table(bounds: Bounds, summaries: dict[str, PolicySummary], title: str
                                   f"pooled LRU ({bounds.pooled_lru_capacity_blocks} blocks) "
                                   f"{bounds.pooled_lru_hit_rate:.1%}")
     for col in ("policy", "hit rate", "/LRU", "TTFT mean", "p50", "p90", "p99", "e2e mean", "max/mean load",
-                "req/s", "onboarded", "migrated", "requests"):
+                "req/s", f"goodput (TTFT<={GOODPUT_TTFT_S:g}s)/s", "shed", "onboarded", "migrated", "requests"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     best_mean = min((s.ttft_mean_s for s in summaries.values()), default=0.0)
     best_p99 = min((s.ttft_p99_s for s in summaries.values()), default=0.0)
@@ -105,7 +115,8 @@ def render_table(bounds: Bounds, summaries: dict[str, PolicySummary], title: str
                   f"{s.ttft_p50_s:.3f}s", f"{s.ttft_p90_s:.3f}s",
                   f"[bold]{p99}[/]" if s.ttft_p99_s == best_p99 else p99,
                   f"{s.e2e_mean_s:.2f}s", f"{s.load_imbalance:.2f}", f"{s.throughput_rps:.2f}",
-                  str(s.onboarded_blocks), str(s.migrated_blocks), str(s.requests))
+                  f"{s.goodput_rps:.2f}", str(s.shed), str(s.onboarded_blocks), str(s.migrated_blocks),
+                  str(s.requests))
     return t
 
 

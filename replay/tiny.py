@@ -33,9 +33,11 @@ seconds from its scheduled arrival:
 - cached tokens come from ``usage.prompt_tokens_details.cached_tokens``,
   computed / onboarded / migrated figures and the rank from ``kvledger``;
 - a rank's work is the wall time during which it had at least one request in
-  flight (the union of its requests' send-to-answer intervals; a rank serves
-  one batch at a time, so this is its busy time plus the HTTP round trips), and
-  the load series plots that per rank over time.
+  flight (the union of its requests' send-to-answer intervals: its busy time
+  plus the HTTP round trips), and the load series plots that per rank over time;
+- a request the router refuses with 429 (its queue, or a rank's, was full) is
+  shed: counted apart from the failed ones and not sent again; goodput counts
+  the answers within the report's TTFT target.
 """
 from __future__ import annotations
 
@@ -108,6 +110,8 @@ class _Answer:
     done: float = 0.0
     predicted: int = 0
     """Cached tokens the router's index predicted on the rank it chose."""
+    shed: bool = False
+    """The router answered 429: no room for it then (it is not sent again)."""
 
 
 def _union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -225,7 +229,8 @@ class PolicyReplay:
                 resp = client.post("/v1/completions", json=body, timeout=timeout)
                 done = time.perf_counter() - t0
                 if resp.status_code != 200:
-                    a = _Answer(False, f"HTTP {resp.status_code}: {resp.text[:300]}", sent=sent, done=done)
+                    a = _Answer(False, f"HTTP {resp.status_code}: {resp.text[:300]}", sent=sent, done=done,
+                                shed=resp.status_code == 429)
                 else:
                     d = resp.json()
                     u, k = d["usage"], d["kvledger"]
@@ -276,8 +281,10 @@ class PolicyReplay:
                         sum(a.onboarded for a in A), sum(migrated), sum(1 for m in migrated if m), work, series,
                         bucket, makespan, wall_s, sum(a.output for a in A))
         lags = [a.sent - arrivals[i] for i, a in enumerate(answers) if a.sent > 0]
+        shed = sum(1 for a in answers if a.shed)
         extra: dict[str, object] = {
-            "failed": len(failed), "errors": [f"request {i}: {e}" for i, e in failed[:5]],
+            "failed": len(failed) - shed, "shed": shed,
+            "errors": [f"request {i}: {e}" for i, e in failed if not answers[i].shed][:5],
             "inconsistent": int(((cached + computed) != prompt).sum()) if len(A) else 0,
             "computed_tokens_per_rank": [int(computed[rank == r].sum()) for r in range(ranks)],
             "send_lag_max_s": round(max(lags, default=0.0), 4), "startup_s": round(startup_s, 2),
@@ -334,7 +341,7 @@ def run_tiny(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     finally:
         if started_ray:
             ray.shutdown()
-    summaries = {p: summarize(r, bounds, ranks) for p, r in runs.items()}
+    summaries = {p: summarize(r, bounds, ranks, shed=int(extras[p]["shed"])) for p, r in runs.items()}
     extra = {"tiny": {"max_input_tokens": options.max_input_tokens, "max_output_tokens": options.max_output_tokens,
                       "concurrency": options.concurrency, "vocab_size": VOCAB_SIZE,
                       "ttft": "measured completion latency from the scheduled arrival (the API does not stream)",

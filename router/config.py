@@ -35,6 +35,14 @@ class RouterConfig:
     files when readable here, else the server's ``/tokenize``."""
     engine_timeout_s: float = 10.0
     """Timeout of the router's calls to a vLLM server other than completions."""
+    max_inflight_completions: int = 256
+    """Completions on the ranks at once (routed and not answered); more wait in the router's queue. Kept (over
+    all router replicas) at most a rank's ``max_num_seqs + max_queued_requests``, a rank's other calls never
+    wait behind serve calls for one of its threads."""
+    max_queued_completions: int = 1024
+    """Completions waiting for a slot, first come first served; past it the router answers 429."""
+    queue_timeout_s: float = 60.0
+    """How long a completion waits for a slot before the router answers 429."""
 
     def __post_init__(self) -> None:
         if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
@@ -52,6 +60,11 @@ class RouterConfig:
             raise ValueError(f"vllm lists a server twice: {list(self.vllm)}")
         if not self.engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s!r}")
+        for name in ("max_inflight_completions", "max_queued_completions"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
         self.make_policy()   # an unknown policy or option fails here, naming it
 
     def make_policy(self) -> RoutingPolicy:

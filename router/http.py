@@ -32,9 +32,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated
 
+import anyio
 import uvicorn
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvledger.router.openai_types import (ChatBody, CompletionBody, ProbeBody, RouteBody, completion_answer,
                                           make_choice, sse, usage, whole_as_stream)
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+#: Threads for completions beyond the admission bounds: a refusal (429) needs a thread to be decided on.
+SPARE_THREADS = 32
 
 #: OpenAI's error ``type`` per status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -158,6 +162,13 @@ class _ServiceCollector:
                                  ("kvledger_index_replays", t.replays, "Replays asked of ranks"),
                                  ("kvledger_index_snapshots", t.snapshots, "Snapshots loaded")):
             yield CounterMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("kvledger_shed_completions", "Completions refused with 429 (no room now)",
+                                  value=svc.stats.shed)
+        running, queued = svc.admission.counts()
+        yield GaugeMetricFamily("kvledger_router_queued_completions", "Completions waiting for a slot on the ranks",
+                                value=queued)
+        yield GaugeMetricFamily("kvledger_router_running_completions", "Completions holding a slot on the ranks",
+                                value=running)
         h = svc.probe_latency()
         yield HistogramMetricFamily("kvledger_probe_latency_seconds", "Index probe latency",
                                     buckets=[("+Inf" if math.isinf(le) else repr(le), n) for le, n in h.cumulative()],
@@ -167,6 +178,23 @@ class _ServiceCollector:
                                     "completion (negative: the index promised more than the rank reused)",
                                     buckets=[("+Inf" if math.isinf(le) else repr(float(le)), n)
                                              for le, n in g.cumulative()], sum_value=g.sum)
+
+
+class _StartingGate:
+    """503 with ``Retry-After`` to every request until ``ready`` is set (a router rebuilding its index after a
+    restart). Plain ASGI: Starlette's ``BaseHTTPMiddleware`` would cost every request a task group and a stream
+    pair, which a burst of completions pays for in time to first answer."""
+
+    def __init__(self, app: ASGIApp, ready: threading.Event) -> None:
+        self.app, self.ready = app, ready
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.ready.is_set():
+            answer = error_response(503, "the router is starting: it is rebuilding its index from the ranks' "
+                                         "snapshots", code="starting", headers={"Retry-After": "1"})
+            await answer(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Caller:
@@ -217,18 +245,15 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     app = FastAPI(title="kvledger router", version="0.1.0", responses=ERROR_RESPONSES)
     app.openapi = lambda: _openapi(app)
 
-    @app.middleware("http")
-    async def _starting(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if ready is not None and not ready.is_set():
-            return error_response(503, "the router is starting: it is rebuilding its index from the ranks' "
-                                       "snapshots", code="starting", headers={"Retry-After": "1"})
-        return await call_next(request)
+    if ready is not None:
+        app.add_middleware(_StartingGate, ready=ready)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ServiceCollector(service))
     app.state.service = service
     app.state.registry = registry
     app.state.keys = keys
+    app.state.threads = None   # made on the first completion, inside the server's event loop
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -306,15 +331,29 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
                                      media_type="text/event-stream")
         return JSONResponse(answer)
 
+    def in_worker_thread(fn: Callable[[], Response]) -> Awaitable[Response]:
+        """Run a completion on a thread of the app's own pool, as large as the router's admission bounds: the
+        service's queue orders and bounds completions (``router.admission``), not a pool of 40 threads
+        (anyio's default, which held every completion past the 40th back, unanswered and unrefused)."""
+        if app.state.threads is None:
+            c = service.config
+            app.state.threads = anyio.CapacityLimiter(c.max_inflight_completions + c.max_queued_completions
+                                                      + SPARE_THREADS)
+        return anyio.to_thread.run_sync(fn, limiter=app.state.threads)
+
     @app.post("/v1/completions", responses=GENERATED)
-    def completions(body: CompletionBody, who: User) -> Response:
-        model, tokens = service.encode(body.prompt, body.model)
-        return generate(body, who, model, tokens, chat=False)
+    async def completions(body: CompletionBody, who: User) -> Response:
+        def run() -> Response:
+            model, tokens = service.encode(body.prompt, body.model)
+            return generate(body, who, model, tokens, chat=False)
+        return await in_worker_thread(run)
 
     @app.post("/v1/chat/completions", responses=GENERATED)
-    def chat_completions(body: ChatBody, who: User) -> Response:
-        model, tokens = service.encode_chat(body.message_dicts(), body.model)
-        return generate(body, who, model, tokens, chat=True)
+    async def chat_completions(body: ChatBody, who: User) -> Response:
+        def run() -> Response:
+            model, tokens = service.encode_chat(body.message_dicts(), body.model)
+            return generate(body, who, model, tokens, chat=True)
+        return await in_worker_thread(run)
 
     @app.post("/v1/route")
     def route(body: RouteBody, who: User) -> dict:

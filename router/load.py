@@ -36,10 +36,12 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class ReportedQueue:
-    """What an engine says of its own queue (a vLLM server's ``/metrics``)."""
+    """What an engine says of its own queue (a vLLM server's ``/metrics``, an own rank's load report)."""
 
     waiting: int
     running: int
+    prefill_tokens: int = 0
+    """Prompt tokens of the waiting requests (0: not reported)."""
 
 
 @dataclass(slots=True)
@@ -112,8 +114,10 @@ class LoadAccount:
               reported: ReportedQueue | None = None, migratable: bool = True) -> RankState:
         """``rank`` as the policies see it at ``now``; the blocks in use come from the rank's own report.
 
-        An engine's own count of its queue (``reported``) wins where it is larger: other routers or clients
-        may send it work this account never saw.
+        An engine's own count of its queue (``reported``) wins where it is larger: other routers (replicas) or
+        clients may send it work this account never saw. The rank's count holds this router's requests too, so
+        the two are never added: the requests in flight are the larger of the two totals (a request this
+        account still calls queued may be running there), of which the larger running count runs.
         """
         a = self._ranks.get(rank) or _RankAccount()
         pending = a.queued_tokens
@@ -122,7 +126,9 @@ class LoadAccount:
                 pending += int(d.prefill_tokens * max(0.0, d.started_at + d.duration - now) / d.duration)
         queued, running = a.queued, a.running
         if reported is not None:
-            queued, running = max(queued, reported.waiting), max(running, reported.running)
+            running = max(a.running, reported.running)
+            queued = max(a.queued + a.running, reported.waiting + reported.running) - running
+            pending = max(pending, reported.prefill_tokens)
         return RankState(rank, True, queued, pending, running, a.running_blocks, kv_used_blocks, kv_total_blocks,
                          migratable)
 

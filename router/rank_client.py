@@ -44,8 +44,10 @@ class RankClient(Protocol):
     def rank(self) -> int: ...
 
     def serve(self, requests: Sequence[Request], logits: bool = False, publish: bool = False) -> ServeReply:
-        """Run the requests to completion; with ``publish`` the reply carries the events serving caused, as the
-        rank's next numbered batch (otherwise they wait for its next poll or push)."""
+        """Run the requests to completion (an own rank: in its running batch, ``worker.rank.scheduler``); with
+        ``publish`` the reply carries the events serving caused, as the rank's next numbered batch (otherwise they
+        wait for its next poll or push). ``RankBusyError`` (``worker.wire.messages``): the rank's queue is full
+        and the requests were not taken."""
         ...
 
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> int:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvledger.router.admission import AdmissionGate, AdmissionRefused
 from kvledger.router.chat import render_plain
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import EventFeed
@@ -47,7 +48,7 @@ from kvledger.router.vllm_ranks import JoinedRanks, VllmEngine, cached_tokens_of
 from kvledger.router.vllm_server import CHAT_COMPLETIONS, COMPLETIONS, EngineUnreachableError
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.wire.errors import OutOfBlocksError
-from kvledger.worker.wire.messages import RankLoad
+from kvledger.worker.wire.messages import RankBusyError, RankLoad
 from kvledger.worker.wire.request import GREEDY, Request, RetentionConfig, Sampling, TokenRange
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ class ServiceStats:
     probe_latency: Histogram = field(default_factory=Histogram)
     cached_gap: Histogram = field(default_factory=lambda: Histogram(GAP_BUCKETS_TOKENS))
     """Delivered minus predicted cached tokens, per completion."""
+    shed: int = 0
+    """Completions refused for want of room (HTTP 429): the router's queue or a rank's was full."""
 
 
 def retention_for(priority: int | None) -> RetentionConfig | None:
@@ -157,6 +160,8 @@ class RouterService:
         self.feed = EventFeed(self.ranks, config.tokens_per_block, config.event_log_size, config.rate_window_s,
                               clock, on_removed=self._forget)
         self.account = LoadAccount()
+        self.admission = AdmissionGate(config.max_inflight_completions, config.max_queued_completions,
+                                       config.queue_timeout_s)
         self.step = RouteStep(self.policy, self.account)
         self.stats = ServiceStats()
         self._lock = threading.Lock()
@@ -351,8 +356,9 @@ class RouterService:
         engines = self.ranks.engines()
         with self._lock:
             blocks = {r: (load.device_blocks_used, load.device_blocks) for r, load in self._loads.items()}
-            reported = {r: ReportedQueue(load.queued_requests, load.running_requests)
-                        for r, load in self._loads.items() if r in engines}
+            # every rank's own count (own ranks too: other router replicas dispatch to them)
+            reported = {r: ReportedQueue(load.queued_requests, load.running_requests, load.queued_prefill_tokens)
+                        for r, load in self._loads.items()}
             return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, engines.keys())
 
     # ------------------------------------------------------------------ serving
@@ -368,13 +374,27 @@ class RouterService:
         with ``chat``, its ``messages``, which go to the server's chat completions).
         Bad input raises ``ValueError``/``TypeError`` before anything is sent; ``UnknownModelError`` for a
         model nobody serves; ``NoLiveRankError`` when no rank is left to serve it; ``EngineRefusedError``
-        when a vLLM server refuses it; ``OverloadedError`` when the rank has no room for it now.
+        when a vLLM server refuses it; ``OverloadedError`` (nothing sent, or nothing kept) when there is no
+        room for it now: the router's queue is full (``RouterConfig.max_queued_completions``), or the rank's.
         """
         name, req = self._request(prompt_tokens, max_tokens, cache_salt, lora_id, model)
         request = Request(next(self._request_ids), list(req.tokens), max_tokens, lora_id, cache_salt,
                           retention=retention_for(priority), sampling=sampling)
         if name == OWN_MODEL:
             request.validate()
+        try:
+            with self.admission.slot():
+                return self._complete(req, request, name, engine_fields, chat)
+        except (AdmissionRefused, OverloadedError) as e:
+            with self._lock:
+                self.stats.shed += 1
+            if isinstance(e, OverloadedError):
+                raise
+            raise OverloadedError(f"{e}; retry shortly") from e
+
+    def _complete(self, req: RouteRequest, request: Request, name: str, engine_fields: dict | None,
+                  chat: bool) -> CompletionResult:
+        """``complete`` once it holds an admission slot."""
         died: set[int] = set()
         while True:
             decision, migrated = self._place(req, name, died)
@@ -394,7 +414,7 @@ class RouterService:
             except RankDiedError as e:
                 self._died(e, died)
                 continue
-            except OutOfBlocksError as e:   # it fits the pool (check_fits) but not now: come back later
+            except (OutOfBlocksError, RankBusyError) as e:   # it fits the pool (check_fits) but not now
                 raise OverloadedError(f"rank {rank} has no room for the request now ({e}); retry shortly") from e
             finally:
                 with self._lock:

@@ -37,18 +37,18 @@ def gated_worker_class() -> type[RankWorker]:
             self.wake = threading.Event()   # set when a request is held, or when the gate opens
             self.gate = threading.Event()
 
-        def _decode(self, manager, pool, requests, results, last) -> None:
-            if self.armed:
+        def step(self, manager, batch, sampler, max_tokens=None):
+            if self.armed and any(r.prefilled for r in batch):
                 self.armed, self.holding = False, True
                 self.wake.set()
                 self.gate.wait(timeout=2 * TIMEOUT)   # bounded: an unopened gate still lets the request finish
                 self.holding = False
-            super()._decode(manager, pool, requests, results, last)
+            return super().step(manager, batch, sampler, max_tokens)
 
     class GatedWorker(RankWorker):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.engine = self.server.engine = GatedEngine(self.template, seed=self.seed)
+            self.engine = self.server.engine = self.server.scheduler.engine = GatedEngine(self.template, seed=self.seed)
 
         def hold_next_decode(self) -> None:
             self.engine.armed, self.engine.holding = True, False

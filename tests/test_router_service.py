@@ -16,8 +16,10 @@ from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
 from kvledger.router.index import ApplyStatus
 from kvledger.router.policies import NoLiveRankError, make_policy
-from kvledger.router.service import RouterService
+from kvledger.router.service import OverloadedError, RouterService
 from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.rank.scheduler import BatchingConfig
+from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.request import Request
 
 T = 4
@@ -213,3 +215,36 @@ def test_events_are_logged_for_monitors_and_can_be_waited_for():
     assert d["type"] == "BlockStored" and d["rank"] == out.rank and d["block_size"] == T
     with pytest.raises(ValueError):
         svc.feed.events(-1)
+
+
+def test_a_full_rank_queue_is_a_429_to_the_client_and_what_was_taken_is_served():
+    """A rank whose batch (one request) and queue (one more) are full refuses the rest; the router answers them
+    ``OverloadedError`` (429) and counts them shed, and every request it took is served in full."""
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=512)
+    w = RankWorker(0, 1, cfg, batching=BatchingConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                                                      max_queued_requests=1))
+    w.build_ledger(512, 0)
+    svc = make_service(LocalCluster([w]), policy="round_robin")
+    gate = threading.Barrier(6, timeout=60)
+    got: list = [None] * gate.parties
+
+    def send(i: int) -> None:
+        gate.wait()
+        try:
+            got[i] = svc.complete([1 + i] * 9, max_tokens=400)
+        except OverloadedError as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(gate.parties)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    served = [g for g in got if not isinstance(g, OverloadedError)]
+    shed = [g for g in got if isinstance(g, OverloadedError)]
+    assert served and shed and len(served) + len(shed) == gate.parties
+    assert all("busy" in str(e) and e.retry_after_s == 1 for e in shed)
+    assert all(len(r.output_tokens) == 400 for r in served)
+    assert svc.stats.shed == len(shed) and svc.stats.completions == len(served)
+    assert w.load().served_requests == len(served) and w.load().refused_requests == len(shed)

@@ -57,9 +57,43 @@ class BeamSearchResult:
     """Beam-owned blocks copied when beams took up another beam's hypothesis."""
 
 
+@dataclass(slots=True, eq=False)
+class RunningRequest:
+    """One request of a running batch: what the cache supplied, and its result once its prompt is computed."""
+
+    request: Request
+    cached_tokens: int
+    onboarded_blocks: int
+    result: ServeResult | None = None
+    """Set when the last context chunk is computed (``prefilled``); its tokens grow a step at a time."""
+    next_chunk: bool = False
+    """The current context chunk is computed and the next one is not admitted yet (``add_context_chunk``)."""
+
+    @property
+    def prefilled(self) -> bool:
+        return self.result is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None and len(self.result.output_tokens) >= self.request.max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step computed: context-chunk tokens, decoded tokens (one per decoding request), requests in it."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    requests: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
 class ReferenceEngine:
-    """Prefill all requests together (chunk by chunk where the ledger chunks prompts), then decode them together
-    one token per step."""
+    """Steps over a running batch: each step one batched forward of context chunks and decoded tokens together
+    (continuous batching); ``serve`` runs a batch to completion."""
 
     def __init__(self, config: CacheConfig, seed: int = 0) -> None:
         self.config = config
@@ -72,33 +106,104 @@ class ReferenceEngine:
         prompts' KV, the requests leave the ledger even when decoding fails (for
         example ``OutOfBlocksError`` while growing), so only written KV is stored.
         """
-        pools = self._check(manager, requests)
+        sampler = Sampler(())
+        batch = self.admit(manager, requests, sampler)
+        try:
+            while unfinished := [r for r in batch if not r.finished]:
+                self.step(manager, unfinished, sampler)
+        except BaseException:
+            self.abort(manager, batch)
+            raise
+        return self.finish(manager, batch)
+
+    def admit(self, manager: KVCacheManager, requests: Sequence[Request], sampler: Sampler) -> list[RunningRequest]:
+        """Admit ``requests`` together (``add_sequences``: their first context chunks) into a running batch, their
+        token choice into ``sampler``; bad input and ``OutOfBlocksError`` raise before anything changes."""
+        self.check(manager, requests, beams=False)
         if not requests:
             return []
-        for r in requests:
-            if r.beam_width > 1:
-                raise ValueError(f"serve decodes greedily; request {r.request_id} asks for {r.beam_width} beams "
-                                 "(use beam_search)")
-        ids = [r.request_id for r in requests]
         cached = manager.add_sequences(list(requests))
-        admissions = [manager.admission(rid) for rid in ids]
-        try:
-            last = self.prefill(manager, requests)
-        except BaseException:
-            for rid in ids:  # the current chunks' KV was never written: nothing of it may become reusable
-                manager.remove_sequence(rid, store=False)
-            raise
-        results = [ServeResult(r.request_id, [], last[i].float().cpu().clone(), c, len(r.tokens) - c,
-                               a.onboarded_blocks)
-                   for i, (r, c, a) in enumerate(zip(requests, cached, admissions))]
-        try:
-            for rid in ids:
-                manager.store_context_blocks(rid)
-            self._decode(manager, pools, requests, results, last)
-        finally:
-            for rid in ids:
-                manager.remove_sequence(rid)
-        return results
+        sampler.add(requests)
+        return [RunningRequest(r, c, manager.admission(r.request_id).onboarded_blocks)
+                for r, c in zip(requests, cached)]
+
+    def step(self, manager: KVCacheManager, batch: Sequence[RunningRequest], sampler: Sampler,
+             max_tokens: int | None = None) -> StepRecord:
+        """One batched forward over the unfinished ``batch``: a token of every decoding request, then context
+        chunks in ``batch`` order while ``max_tokens`` lasts (a chunk longer than what is left is cut with
+        ``fit_token_budget``; the rest waits for a later step).
+
+        A request whose last chunk is computed gets its result and first token, and its prompt's blocks are
+        stored. Raises ``OutOfBlocksError`` before anything changes when the decoding requests cannot grow, or
+        when no chunk can be admitted and nothing decodes (the caller preempts or waits).
+        """
+        decoding = [r for r in batch if r.prefilled]
+        need = sum(manager.get_needed_blocks_one_step(r.request.request_id) for r in decoding)
+        free = manager.stats().free_num_blocks
+        if need > free:   # all or none: a grown sequence whose KV is never written would be stored
+            raise OutOfBlocksError(need, free, f"decode step of request(s) {[r.request.request_id for r in decoding]}")
+        left = None if max_tokens is None else max_tokens - len(decoding)
+        chunks: list[tuple[RunningRequest, int, int]] = []
+        for r in batch:
+            if r.prefilled or (left is not None and left < 1):
+                continue
+            rid = r.request.request_id
+            if r.next_chunk:
+                try:
+                    manager.add_context_chunk(rid)
+                except OutOfBlocksError:
+                    continue
+                r.next_chunk = False
+            start, end = manager.context_chunk(rid)
+            if left is not None and end - start > left:
+                manager.fit_token_budget([rid], left)
+                end = start + left
+            chunks.append((r, start, end))
+            left = None if left is None else left - (end - start)
+        if not chunks and not decoding:
+            raise OutOfBlocksError(1, free, f"admitting the next context chunk of request(s) "
+                                            f"{[r.request.request_id for r in batch]}")
+        for r in decoding:
+            manager.add_token(r.request.request_id, 1, tokens=[r.result.output_tokens[-1]])
+        order = [r for r, _, _ in chunks] + decoding
+        ids = [r.request.request_id for r in order]
+        inputs = [r.request.tokens[s:e] for r, s, e in chunks] + [[r.result.output_tokens[-1]] for r in decoding]
+        starts = [s for _, s, _ in chunks] + [manager.num_tokens(r.request.request_id) - 1 for r in decoding]
+        logits = self.model.forward(manager.pools.primary_pools, manager.block_table(ids), inputs, starts,
+                                    [r.request.lora_id for r in order])
+        rows = (torch.tensor([len(x) for x in inputs]).cumsum(0) - 1).tolist()   # each request's last position
+        picking: list[tuple[RunningRequest, int]] = []
+        for (r, _, end), row in zip(chunks, rows):
+            rid, n = r.request.request_id, len(r.request.tokens)
+            if end < n:
+                r.next_chunk = True
+                continue
+            r.result = ServeResult(rid, [], logits[row].float().cpu().clone(), r.cached_tokens, n - r.cached_tokens,
+                                   r.onboarded_blocks, sampler.logprobs.get(rid))
+            manager.store_context_blocks(rid)
+            if r.request.max_new_tokens > 0:
+                picking.append((r, row))
+        picking += zip(decoding, rows[len(chunks):])
+        if picking:
+            picked = sampler.pick(logits[torch.tensor([row for _, row in picking], device=logits.device)],
+                                  [r.request for r, _ in picking])
+            for (r, _), t in zip(picking, picked):
+                r.result.output_tokens.append(t)
+        return StepRecord(sum(e - s for _, s, e in chunks), len(decoding), len(order))
+
+    def finish(self, manager: KVCacheManager, done: Sequence[RunningRequest]) -> list[ServeResult]:
+        """Release finished requests (their last sampled token counted first, ``_count_final_tokens``)."""
+        self._count_final_tokens(manager, done)
+        for r in done:
+            manager.remove_sequence(r.request.request_id)
+        return [r.result for r in done]
+
+    @staticmethod
+    def abort(manager: KVCacheManager, batch: Sequence[RunningRequest]) -> None:
+        """Take ``batch`` out of the ledger unfinished: only KV that was written is stored (a context chunk
+        admitted and not computed never becomes reusable)."""
+        for r in batch:
+            manager.remove_sequence(r.request.request_id, store=r.prefilled)
 
     def prefill(self, manager: KVCacheManager, requests: Sequence[Request]) -> torch.Tensor:
         """Compute the admitted requests' prompts, one batched forward per round of context chunks, and return the
@@ -144,7 +249,7 @@ class ReferenceEngine:
         beam's own blocks (TensorRT-LLM reads them through a cache indirection
         instead; the KV each beam attends to is the same).
         """
-        pools = self._check(manager, [request])
+        pools = self.check(manager, [request])
         if request.max_new_tokens < 1:
             raise ValueError(f"beam_search: request {request.request_id} asks for no new tokens")
         rid, width, vocab = request.request_id, request.beam_width, VOCAB_SIZE
@@ -201,40 +306,8 @@ class ReferenceEngine:
             pool[dst] = pool[src]   # the gather copies every source before the scatter writes
         return dst.numel()
 
-    def _decode(self, manager: KVCacheManager, pools: list[torch.Tensor], requests: Sequence[Request],
-                results: list[ServeResult], last: torch.Tensor) -> None:
-        """Steps over every request that still wants tokens, batched into one forward each; each request's token
-        is its own choice (``engine.sampler``: greedy unless it asked to sample)."""
-        sampler = Sampler(requests)
-        next_tok = sampler.pick(last, requests)
-        active = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
-        for i in active:
-            results[i].output_tokens.append(next_tok[i])
-        for i, r in enumerate(requests):
-            results[i].logprobs = sampler.logprobs.get(r.request_id)
-        while True:
-            active = [i for i in active if len(results[i].output_tokens) < requests[i].max_new_tokens]
-            if not active:
-                self._count_final_tokens(manager, requests, results)
-                return
-            ids = [requests[i].request_id for i in active]
-            toks = [results[i].output_tokens[-1] for i in active]
-            # All or none: a step that grew some sequences and then failed would leave tokens
-            # counted whose KV was never written, and removing them would store those blocks.
-            need = sum(manager.get_needed_blocks_one_step(rid) for rid in ids)
-            free = manager.stats().free_num_blocks
-            if need > free:
-                raise OutOfBlocksError(need, free, f"decode step of request(s) {ids}")
-            for rid, t in zip(ids, toks):
-                manager.add_token(rid, 1, tokens=[t])
-            starts = [manager.num_tokens(rid) - 1 for rid in ids]
-            step = self.model.forward(pools, manager.block_table(ids), [[t] for t in toks], starts,
-                                      [requests[i].lora_id for i in active])
-            for i, t in zip(active, sampler.pick(step, [requests[i] for i in active])):
-                results[i].output_tokens.append(t)
-
     @staticmethod
-    def _count_final_tokens(manager: KVCacheManager, requests: Sequence[Request], results: list[ServeResult]) -> None:
+    def _count_final_tokens(manager: KVCacheManager, done: Sequence[RunningRequest]) -> None:
         """Count each request's last sampled token, as TensorRT-LLM does, so the ledger knows the whole sequence.
 
         Its KV is never computed, and the ledger stores all but the last counted
@@ -243,17 +316,18 @@ class ReferenceEngine:
         tokens would need more blocks than are free, they stay uncounted: that
         block then is not stored, and nothing fails.
         """
-        done = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
-        ids = [requests[i].request_id for i in done]
+        done = [r for r in done if r.request.max_new_tokens > 0]
+        ids = [r.request.request_id for r in done]
         if sum(manager.get_needed_blocks_one_step(rid) for rid in ids) > manager.stats().free_num_blocks:
             return
-        for i, rid in zip(done, ids):
-            manager.add_token(rid, 1, tokens=[results[i].output_tokens[-1]])
+        for r, rid in zip(done, ids):
+            manager.add_token(rid, 1, tokens=[r.result.output_tokens[-1]])
 
-    def _check(self, manager: KVCacheManager, requests: Sequence[Request]) -> list[torch.Tensor]:
-        """Refuse a ledger whose geometry differs from the model's, and prompts outside the vocabulary."""
+    def check(self, manager: KVCacheManager, requests: Sequence[Request], beams: bool = True) -> list[torch.Tensor]:
+        """Refuse a ledger whose geometry differs from the model's, prompts outside the vocabulary and (unless
+        ``beams``) beam searches; the pools."""
         mine, theirs = self.config, manager.config
-        for f in ("tokens_per_block", "num_layers", "kv_heads_per_layer", "head_dim"):
+        for f in ("tokens_per_block", "num_layers", "kv_heads_per_layer", "head_dim", "layer_windows"):
             if getattr(mine, f) != getattr(theirs, f):
                 raise ValueError(f"engine and manager disagree on {f}: {getattr(mine, f)} vs {getattr(theirs, f)}")
         pools = manager.pools.primary_pools
@@ -267,4 +341,7 @@ class ReferenceEngine:
             if max(r.tokens) >= VOCAB_SIZE:
                 raise ValueError(f"request {r.request_id}: token {max(r.tokens)} is outside the model's vocabulary "
                                  f"0..{VOCAB_SIZE - 1}")
+            if r.beam_width > 1 and not beams:
+                raise ValueError(f"serve decodes greedily; request {r.request_id} asks for {r.beam_width} beams "
+                                 "(use beam_search)")
         return pools

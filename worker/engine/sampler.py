@@ -28,13 +28,26 @@ class TokenLogprobs:
 
 
 class Sampler:
-    """The token choice of one batch of requests (see the module docstring)."""
+    """The token choice of a batch of requests, which requests join and leave (see the module docstring)."""
 
     def __init__(self, requests: Sequence[Request]) -> None:
-        self._generators = {r.request_id: torch.Generator().manual_seed(
-            r.sampling.seed if r.sampling.seed is not None else secrets.randbits(63))
-            for r in requests if not r.sampling.greedy}
-        self.logprobs = {r.request_id: TokenLogprobs() for r in requests if r.sampling.logprobs is not None}
+        self._generators: dict[int, torch.Generator] = {}
+        self.logprobs: dict[int, TokenLogprobs] = {}
+        self.add(requests)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        """Requests joining the batch: a generator of their own (seeded once) and their log-probabilities."""
+        for r in requests:
+            if not r.sampling.greedy:
+                self._generators[r.request_id] = torch.Generator().manual_seed(
+                    r.sampling.seed if r.sampling.seed is not None else secrets.randbits(63))
+            if r.sampling.logprobs is not None:
+                self.logprobs[r.request_id] = TokenLogprobs()
+
+    def drop(self, request_id: int) -> None:
+        """A request left the batch (finished, or preempted to start over: added again, it draws anew)."""
+        self._generators.pop(request_id, None)
+        self.logprobs.pop(request_id, None)
 
     def pick(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """One token per row of ``logits [n, vocab]``, row ``i`` for ``requests[i]``."""

@@ -1,20 +1,20 @@
-"""Serving on one rank: batches through the reference engine on the rank's ledger, and the load it reports.
+"""Serving on one rank: requests join the rank's running batch (``scheduler``), and the load it reports.
 
-A served batch holds the ledger's lock from admission to release, so batches
-on one rank run one after another; the ones waiting for the lock are the
-rank's queue, and ``load`` reports them (requests and prompt tokens) next to
-its blocks, in one answer. A router serves with ``publish=True``: the events
-the batch caused are published as the next numbered batch before the lock is
-let go, and travel back with the outcomes (``ServeReply.events``), so they are
-indexed before the answer leaves; otherwise they wait for the next poll or push.
+Every caller's requests are queued for the rank's one running batch and
+served by its step loop, which holds the ledger's lock a step at a time; the
+queue, the batch and what the loop did are in ``load``, next to the blocks, in
+one answer. A router serves with ``publish=True``: the events published in the
+step its requests finished travel back with the outcomes
+(``ServeReply.events``), so they are indexed before the answer leaves;
+otherwise they wait for the next poll or push.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
 from kvledger.worker.rank.books import RankBooks
+from kvledger.worker.rank.scheduler import BatchingConfig, BatchScheduler
 from kvledger.worker.wire.messages import RankLoad, ServeOutcome, ServeReply
 from kvledger.worker.wire.request import Request
 
@@ -22,44 +22,30 @@ from kvledger.worker.wire.request import Request
 class RankServer:
     """See the module docstring."""
 
-    def __init__(self, books: RankBooks, engine: ReferenceEngine) -> None:
+    def __init__(self, books: RankBooks, engine: ReferenceEngine, batching: BatchingConfig = BatchingConfig()) -> None:
         self.books = books
         self.engine = engine
-        self._count_lock = threading.Lock()
-        self._queued_tokens = self._queued_requests = self._running = 0
-        self._served = 0
+        self.scheduler = BatchScheduler(books, engine, batching)
 
     def serve(self, requests: Sequence[Request], logits: bool = False, publish: bool = False) -> ServeReply:
-        """Serve a batch to completion; the outcomes in order (with the last logits if asked), and with
-        ``publish`` the events it caused."""
+        """Serve the requests in the running batch; the outcomes in order (with the last logits if asked), and
+        with ``publish`` the events published when the last of them finished. ``RankBusyError`` when the queue
+        is full, ``ValueError``/``TypeError`` for bad input, both before anything changes."""
         reqs = list(requests)
         for r in reqs:
             if not isinstance(r, Request):
                 raise TypeError(f"serve takes kvledger Request objects, got {type(r).__name__}")
-        tokens = sum(len(r.tokens) for r in reqs)
-        with self._count_lock:  # queued until the ledger is ours
-            self._queued_tokens += tokens
-            self._queued_requests += len(reqs)
-        with self.books.lock:
-            with self._count_lock:
-                self._queued_tokens -= tokens
-                self._queued_requests -= len(reqs)
-                self._running = len(reqs)
-            try:
-                results = self.engine.serve(self.books.ledger(), reqs)
-            finally:
-                with self._count_lock:
-                    self._running = 0
-            self._served += len(results)
-            events = self.books.events().poll() if publish else None
-        return ServeReply([self._outcome(r, logits) for r in results], events)
+        self.engine.check(self.books.ledger(), reqs, beams=False)
+        served = self.scheduler.serve(reqs, publish)
+        return ServeReply([self._outcome(r, logits, steps) for r, steps in zip(served.results, served.steps)],
+                          served.events)
 
-    def _outcome(self, res: ServeResult, logits: bool) -> ServeOutcome:
+    def _outcome(self, res: ServeResult, logits: bool, steps: tuple[int, int]) -> ServeOutcome:
         lp = res.logprobs
         return ServeOutcome(res.request_id, self.books.rank, list(res.output_tokens), res.cached_tokens,
                             res.computed_tokens, res.onboarded_blocks,
                             res.last_logits.tolist() if logits else None,
-                            None if lp is None else lp.chosen, None if lp is None else lp.top)
+                            None if lp is None else lp.chosen, None if lp is None else lp.top, *steps)
 
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> int:
         """Exact probe: tokens of ``tokens[:-1]`` this rank holds as full blocks (either tier)."""
@@ -67,19 +53,22 @@ class RankServer:
             return self.books.ledger().probe_prefix_match_length(tokens, lora_id=lora_id, cache_salt=cache_salt)
 
     def load(self, publishing: bool) -> RankLoad:
-        """The queue and the blocks per tier, and the ledger's hit rate (``ready=False`` before the ledger).
+        """The queue, the running batch and the blocks per tier, and the ledger's hit rate (``ready=False``
+        before the ledger).
 
-        Read without the ledger's lock, which a batch holds from admission to
-        release: the counters are plain ints, so a report taken mid-batch is as
-        fresh as any, and a rank serving a long batch still answers at once.
+        Read without the ledger's lock (the step loop holds it a step at a time):
+        the counters have their own, so a rank serving a long batch still answers at once.
         """
         mgr = self.books.manager
         s = mgr.stats() if mgr is not None else None
         pub = self.books.publisher
-        with self._count_lock:
-            queue = dict(publishing=publishing, queued_prefill_tokens=self._queued_tokens,
-                         queued_requests=self._queued_requests, running_requests=self._running,
-                         served_requests=self._served, published_batches=0 if pub is None else pub.next_seq)
+        c = self.scheduler.counts()
+        queue = dict(publishing=publishing, queued_prefill_tokens=c.queued_prefill_tokens,
+                     queued_requests=c.queued_requests, running_requests=c.running_requests,
+                     served_requests=c.served_requests, published_batches=0 if pub is None else pub.next_seq,
+                     steps=c.steps, peak_running_requests=c.peak_running_requests,
+                     peak_step_tokens=c.peak_step_tokens, preempted_requests=c.preempted_requests,
+                     refused_requests=c.refused_requests)
         if s is None:
             return RankLoad(self.books.rank, False, **queue)
         return RankLoad(self.books.rank, True, **queue, device_blocks_used=s.used_num_blocks,

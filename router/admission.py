@@ -1,0 +1,73 @@
+"""The router's bounded admission: at most so many completions on the ranks at once, a bounded queue before them.
+
+A completion holds a slot from its routing decision to its answer; one that
+finds every slot taken waits in a first-come-first-served queue (each waiter
+its own event, woken in arrival order), and one that finds the queue full, or
+waits longer than ``queue_timeout_s``, is refused with ``AdmissionRefused``
+(the HTTP API answers 429 with ``Retry-After``) without anything having been
+sent. The slots keep the ranks' own queues short, so routing decides with
+fresh loads; the queue absorbs a burst without holding a thread per request
+on a rank.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class AdmissionRefused(RuntimeError):
+    """No slot and no room in the queue (or no slot within the queue's timeout): the request was not taken."""
+
+
+class AdmissionGate:
+    """See the module docstring; thread-safe."""
+
+    def __init__(self, max_inflight: int, max_queued: int, queue_timeout_s: float) -> None:
+        self.max_inflight, self.max_queued, self.queue_timeout_s = max_inflight, max_queued, queue_timeout_s
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._queue: collections.deque[threading.Event] = collections.deque()
+        self.refused = 0
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold a slot for the duration of the block (waiting in the queue for one first if need be)."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def counts(self) -> tuple[int, int]:
+        """Completions holding a slot, completions queued."""
+        with self._lock:
+            return self._inflight, len(self._queue)
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._inflight < self.max_inflight and not self._queue:
+                self._inflight += 1
+                return
+            if len(self._queue) >= self.max_queued:
+                self.refused += 1
+                raise AdmissionRefused(f"the router is full: {self._inflight} completions running and "
+                                       f"{len(self._queue)} queued (max_queued_completions={self.max_queued})")
+            turn = threading.Event()
+            self._queue.append(turn)
+        if turn.wait(self.queue_timeout_s):
+            return   # ``_leave`` handed its slot over
+        with self._lock:
+            if turn.is_set():   # handed over just as the wait ended
+                return
+            self._queue.remove(turn)
+            self.refused += 1
+        raise AdmissionRefused(f"no slot within {self.queue_timeout_s:g} s: {self.max_inflight} completions running")
+
+    def _leave(self) -> None:
+        with self._lock:
+            if self._queue:
+                self._queue.popleft().set()   # the slot passes to the first in line
+            else:
+                self._inflight -= 1

@@ -8,15 +8,18 @@
     the tier copies alone (the pools' ``flush``, where planned copies run) is
     printed beside it.
 (b) Migration of N blocks from rank 0 to rank 1 (two rank actors on a local
-    Ray, gloo on CPUs, NCCL on GPUs): the transfer as ``Migrator.migrate``
-    times it (send/recv, gather/scatter where the slots are not one run, the
-    target storing the blocks), against one ``send``/``recv`` of a contiguous
-    tensor of the same bytes between the same two actors (rank workers with a
-    raw send and receive added, ``RawTransferWorker`` below), dispatched the
-    same way, in the same run. Goal: end to end (with the pin and allocate
-    round trips) >= 0.8 of it; the move alone is printed beside it.
+    Ray, gloo on CPUs, NCCL on GPUs): ``Migrator.migrate`` end to end (one call
+    per side launched together: the pin, the negotiation, the allocation, the
+    pieces, scatters where the target's slots are not one run, the target
+    storing the blocks), against one ``send``/``recv`` of a contiguous tensor of
+    the same bytes between the same two actors (rank workers with a raw send
+    and receive added, ``RawTransferWorker`` below), dispatched the same way, in
+    the same run. Goal: end to end >= 0.8 of it; the move alone (the target's
+    time from its allocation to its blocks stored) is printed beside it, and
+    each rank's transfer counts (pieces, copies) after the runs.
 
-    python benchmarks/bench_transfer.py [--blocks 64 512] [--reps 5] [--device auto] [--skip-migration]
+    python benchmarks/bench_transfer.py [--blocks 64 512] [--reps 5] [--device auto] [--skip-tiers]
+        [--skip-migration]
 
 Block geometry: 16 tokens x 8 layers x 4 KV heads x 64 dims, float16 (128 KiB
 a block). The source blocks' contents are written directly (not computed by the
@@ -25,6 +28,7 @@ engine): only their bytes matter here.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -59,8 +63,10 @@ _SCRATCH = torch.empty(0)
 
 
 def _cold_caches() -> None:
-    """Stream 128 MiB through the CPU caches so neither side of a comparison starts with hot data."""
+    """Stream 128 MiB through the CPU caches so neither side of a comparison starts with hot data, and collect
+    the garbage so neither pays for a collection of what came before (the collector stays on while timing)."""
     global _SCRATCH
+    gc.collect()
     if _SCRATCH.numel() == 0:
         _SCRATCH = torch.empty(64 << 20, dtype=torch.float16)
     _SCRATCH.fill_(2.0)
@@ -254,12 +260,14 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--skip-tiers", action="store_true")
     p.add_argument("--skip-migration", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in this process (0: default)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bench_tiers(args.blocks, args.reps, args.device)
+    if not args.skip_tiers:
+        bench_tiers(args.blocks, args.reps, args.device)
     if not args.skip_migration:
         bench_migration(args.blocks, args.reps, args.device)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -28,13 +29,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvledger.coordinator.config import ClusterConfig
-from kvledger.coordinator.migration import Migrator
+from kvledger.coordinator.migration import MigrationResult, Migrator
 from kvledger.coordinator.rank_client import RayRankClient
 from kvledger.router.liveness import Liveness
 from kvledger.router.rank_client import RankDiedError
 from kvledger.worker.rank.actor import rank_actor_class
+from kvledger.worker.rank.faults import CrashPoint, CrashSpec
 from kvledger.worker.rank.worker import RankWorker
-from kvledger.worker.wire.messages import ExportTicket, ImportTicket, RankLoad
+from kvledger.worker.wire.messages import RankLoad
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +79,27 @@ class Cluster:
         self.quick_timeout_s = quick_timeout_s
         self.clients = [RayRankClient(r, a, quick_timeout_s, config.call_timeout_s, self.mark_down)
                         for r, a in enumerate(actors)]
-        self.migrator = Migrator(self.client, self._mover)
+        self.migrator = Migrator(_GroupTransfer(self))
         self.liveness = Liveness()
         self._group_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def start(cls, config: ClusterConfig, worker_cls: type[RankWorker] = RankWorker) -> Cluster:
+    def start(cls, config: ClusterConfig, worker_cls: type[RankWorker] = RankWorker,
+              crashes: Sequence[CrashSpec] = ()) -> Cluster:
         """Spawn the rank actors (Ray must be initialised), form the group, agree block counts.
 
         ``worker_cls`` is what each actor runs: ``RankWorker``, or a subclass (benchmarks add raw transfers).
+        ``crashes`` are armed once the group is formed (tests and the chaos run; off by default): only in each
+        actor's first incarnation, since an actor Ray restarts comes back with nothing armed.
         """
         if config.num_ranks == 0:
             raise ValueError("a cluster of 0 ranks has no actors to start (`kvledger up --ranks 0` runs the router "
                              "alone, in front of vLLM servers)")
+        for spec in crashes:
+            if not isinstance(spec, CrashSpec) or spec.rank >= config.num_ranks:
+                raise ValueError(f"crashes must be CrashSpecs of ranks 0..{config.num_ranks - 1}, got {spec!r}")
         device = _resolve_device(config)
         n = config.num_ranks
         gpu = device == "cuda"
@@ -108,6 +116,7 @@ class Cluster:
                                f"{config.call_timeout_s:g} s: not enough resources in the Ray cluster "
                                f"({ray.available_resources()})") from None
         actor_cls = rank_actor_class(worker_cls)
+        batching = config.batching()
         actors = []
         for i in range(n):
             cache = config.cache
@@ -118,15 +127,17 @@ class Cluster:
             cache = dataclasses.replace(cache, device="cpu" if not gpu else "auto")
             opts = dict(name=f"{config.name_prefix}-{i}", namespace=config.namespace,
                         num_cpus=1 if gpu else config.num_cpus_per_rank, num_gpus=1 if gpu else 0,
-                        max_restarts=config.max_restarts, max_task_retries=0,
+                        max_restarts=config.max_restarts, max_task_retries=0, max_concurrency=batching.actor_threads,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
             if config.detached:
                 opts["lifetime"] = "detached"
             fraction = config.gpu_memory_fraction or 0.5
-            actors.append(actor_cls.options(**opts).remote(i, n, cache, config.seed, fraction))
+            actors.append(actor_cls.options(**opts).remote(i, n, cache, config.seed, fraction, batching=batching))
         cluster = cls(config, actors, device, pg)
         try:
             cluster.form_group()
+            for spec in crashes:
+                cluster.arm_crash(spec.rank, spec.point, spec.after)
         except BaseException:
             cluster.shutdown()
             raise
@@ -211,12 +222,14 @@ class Cluster:
     def mark_down(self, rank: int) -> None:
         self.liveness.mark_down(rank)
 
+    def arm_crash(self, rank: int, point: CrashPoint, after: int = 1) -> dict[str, int]:
+        """Have rank ``rank``'s process crash the ``after``-th time it reaches ``point`` (``faults.CrashPoint``);
+        the points armed on it now."""
+        return self.client(rank).wait(self.actors[rank].arm_crash.remote(point, after), "arm_crash")
+
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None = None,
                 lora_id: int | None = None, cache_salt: str | None = None) -> int:
         return self.migrator.migrate(tokens, src, dst, max_blocks, lora_id, cache_salt).sent_blocks
-
-    def _mover(self, src: int, dst: int) -> _ProcessGroupMover:
-        return _ProcessGroupMover(self, src, dst)
 
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> list[int]:
         """Exact probe of every rank: matched tokens per rank (-1 for a rank that does not answer)."""
@@ -298,31 +311,60 @@ class Cluster:
                 "ranks": ranks, "time": time.time()}
 
 
-class _ProcessGroupMover:
-    """A migration's bytes as one ``torch.distributed`` send from the source actor and one receive on the target."""
+class _GroupTransfer:
+    """A migration between two rank actors: ``send_prefix`` on the source and ``receive_prefix`` on the target,
+    launched together; they negotiate and move the bytes over their process group, one round trip from here."""
 
-    def __init__(self, cluster: Cluster, src: int, dst: int) -> None:
-        self.cluster, self.src, self.dst = cluster, src, dst
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
 
-    def move(self, export: ExportTicket, start: int, target: ImportTicket) -> int:
-        a, b = self.cluster.actors[self.src], self.cluster.actors[self.dst]
-        send = a.export_send.remote(export.pin_id, start, self.dst)
-        recv = b.import_recv.remote(target.import_id, self.src)
+    def __call__(self, tokens: list[int], src: int, dst: int, max_blocks: int | None, lora_id: int | None,
+                 cache_salt: str | None) -> MigrationResult:
+        c = self.cluster
+        source, target = c.client(src), c.client(dst)
+        tag = random.randrange(1, 2 ** 31)   # apart from any other coordinator's migration between these ranks
+        refs = [source.actor.send_prefix.remote(tokens, dst, max_blocks, lora_id, cache_salt, tag),
+                target.actor.receive_prefix.remote(tokens, src, max_blocks, lora_id, cache_salt, tag)]
+        timeout = c.config.group_timeout_s + 30
+        sides = [(source, refs[0], "send_prefix"), (target, refs[1], "receive_prefix")]
         try:
-            nbytes, got = ray.get([send, recv], timeout=self.cluster.config.group_timeout_s + 30)
-        except BaseException as e:
-            for ref in (send, recv):
-                ray.cancel(ref, force=False)
-            if isinstance(e, RayActorError):
-                raise RankDiedError(self._which_died(), f"it died during a migration ({type(e).__name__})") from e
-            raise
-        assert got == target.blocks, f"rank {self.dst} stored {got} blocks, {target.blocks} were sent"
-        return nbytes
+            sent, received = ray.get(refs, timeout=timeout)
+        except Exception:
+            self._settle(sides, tag, timeout)
+            raise self._failure(src, dst, sides) from None
+        assert sent.moved_blocks == received.moved_blocks, f"rank {src} sent {sent}, rank {dst} received {received}"
+        return MigrationResult(src, dst, sent.matched_blocks, received.moved_blocks, sent.bytes, received.seconds)
 
-    def _which_died(self) -> int:
-        for r in (self.src, self.dst):
+    @staticmethod
+    def _settle(sides: list[tuple[RayRankClient, ray.ObjectRef, str]], tag: int, timeout_s: float) -> None:
+        """After a failure, wait (at most ``timeout_s``) for a side still in the migration to end and undo its
+        step: a receive still posted would take the next migration's messages. A side whose peer died fails once
+        the channel breaks, at the latest at the group's timeout; a side that died (or is back, restarted, and
+        so in no migration) is not waited for."""
+        deadline = time.monotonic() + timeout_s
+        for client, ref, _ in sides:
+            if ray.wait([ref], timeout=0)[0]:
+                continue
             try:
-                self.cluster.clients[r].wait(self.cluster.actors[r].ping.remote(), "ping")
+                running = client.wait(client.actor.in_transfer.remote(tag), "in_transfer")
             except RankDiedError:
-                return r
-        return self.src
+                continue
+            if running:
+                ray.wait([ref], timeout=max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _failure(src: int, dst: int, sides: list[tuple[RayRankClient, ray.ObjectRef, str]]) -> Exception:
+        """What a failed migration raises: a dead side's loss says what happened (``RankDiedError``, the rank
+        marked down); a failure of the other side (its channel broke) is logged."""
+        failed = []
+        for client, ref, what in sides:
+            try:
+                client.wait(ref, what, timeout_s=1.0)
+            except Exception as e:  # each side's failure is looked at below
+                failed.append(e)
+        assert failed, f"migration {src} -> {dst} failed, but neither side did"
+        first = next((e for e in failed if isinstance(e, RankDiedError)), failed[0])
+        for e in failed:
+            if e is not first:
+                logger.warning("migration %d -> %d: the other side failed too: %s", src, dst, e)
+        return first

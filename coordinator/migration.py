@@ -1,20 +1,21 @@
-"""KV migration between two ranks: the one choreography every cluster uses, whatever moves the bytes.
+"""KV migration between two ranks: which blocks move, and the rule every cluster shares.
 
 A prompt's prefix blocks move from rank A to rank B: the source pins the
 blocks it holds, the target allocates the ones it lacks (sharing whatever
-prefix it already has), a ``BlockMover`` carries those blocks' KV across and
-the target stores them in its tree (reusable, announced with ``BlockStored``),
-releasing the source's pin. If anything fails after the pin, the pin is
-released and the import aborted, so no block whose KV was not written is ever
-stored, and nothing stays pinned.
+prefix it already has), their KV crosses, and the target stores them in its
+tree (reusable, announced with ``BlockStored``), releasing the source's pin. If
+anything fails after the pin, the pin is released and the import aborted, so
+no block whose KV was not written is ever stored, and nothing stays pinned.
 
-The steps are the rank interface's (``export_begin`` / ``export_end``,
-``import_begin`` / ``import_abort``); only the move differs: a
-``torch.distributed`` send and receive between rank actors
-(``kvledger.coordinator.cluster``), a tensor handed over in this process
-(``kvledger.coordinator.local_cluster``), or nothing at all between ledgers that
-keep only the books (the replay simulator). ``Migrator`` adds the one rule
-every cluster shares: transfers between one pair of ranks never interleave.
+The steps are the rank's (``kvledger.worker.rank.transfer``); who drives them
+differs. Rank actors run them themselves, one call per side launched together
+and negotiating over their process group (``kvledger.coordinator.cluster``):
+one round trip per migration. Ranks in this process, and ledgers that keep only
+the books (the replay simulator), are driven step by step by ``migrate_prefix``
+through the rank interface (``export_begin`` / ``export_end``, ``import_begin``
+/ ``import_abort``), with a ``BlockMover`` for the bytes: a tensor handed over,
+or nothing at all. ``Migrator`` adds the one rule every cluster shares:
+transfers between one pair of ranks never interleave.
 """
 from __future__ import annotations
 
@@ -101,16 +102,34 @@ def _undo(step: Callable[[int], None], ticket: int, rank: int) -> None:
         logger.warning("rank %d: releasing migration ticket %d failed: %s", rank, ticket, e)
 
 
+class PrefixTransfer(Protocol):
+    """One whole migration between two ranks of a cluster, however its steps are driven."""
+
+    def __call__(self, tokens: list[int], src: int, dst: int, max_blocks: int | None, lora_id: int | None,
+                 cache_salt: str | None) -> MigrationResult: ...
+
+
+def stepwise(ends: Callable[[int], MigrationEnd], mover: Callable[[int, int], BlockMover]) -> PrefixTransfer:
+    """Migrations driven step by step from here (``migrate_prefix``): ``ends(rank)`` reaches a rank,
+    ``mover(src, dst)`` moves the bytes between two."""
+
+    def transfer(tokens: list[int], src: int, dst: int, max_blocks: int | None, lora_id: int | None,
+                 cache_salt: str | None) -> MigrationResult:
+        return migrate_prefix(ends(src), ends(dst), mover(src, dst), tokens, src, dst, max_blocks, lora_id,
+                              cache_salt)
+
+    return transfer
+
+
 class Migrator:
-    """Migrations within one cluster: ``ends(rank)`` reaches a rank, ``mover(src, dst)`` moves between two.
+    """Migrations within one cluster, each carried out by ``transfer``.
 
     One lock per unordered pair keeps two transfers between the same ranks from
     interleaving on their shared channel; transfers between other pairs go on.
     """
 
-    def __init__(self, ends: Callable[[int], MigrationEnd], mover: Callable[[int, int], BlockMover]) -> None:
-        self._ends = ends
-        self._mover = mover
+    def __init__(self, transfer: PrefixTransfer) -> None:
+        self._transfer = transfer
         self._locks: dict[frozenset[int], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -122,7 +141,7 @@ class Migrator:
                 lora_id: int | None = None, cache_salt: str | None = None) -> MigrationResult:
         if src == dst:
             raise ValueError(f"migrate needs two different ranks, got {src} twice")
-        source, target = self._ends(src), self._ends(dst)
+        if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 0):
+            raise ValueError(f"migrate: max_blocks must be None or an int >= 0, got {max_blocks!r}")
         with self._pair_lock(src, dst):
-            return migrate_prefix(source, target, self._mover(src, dst), tokens, src, dst, max_blocks, lora_id,
-                                  cache_salt)
+            return self._transfer(list(tokens), src, dst, max_blocks, lora_id, cache_salt)

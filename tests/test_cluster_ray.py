@@ -118,6 +118,13 @@ def test_bad_migrations_change_nothing(cluster):
     p = prompt(3 * T + 1, seed=4)
     assert mig.migrate(p, src=0, dst=1).matched_blocks == 0
     assert cluster.probe(p) == [0, 0, 0]
+    with pytest.raises(ValueError, match="max_blocks"):
+        mig.migrate(p, src=0, dst=1, max_blocks=-1)
+    serve(cluster, 0, Request(45, p))
+    with pytest.raises((TypeError, ValueError), match="cache_salt"):   # both sides refuse it, and say so
+        mig.migrate(p, src=0, dst=1, cache_salt=5)
+    assert cluster.status()["ranks"][0]["device_blocks_used"] == 0, "the source let go of what it pinned"
+    assert mig.migrate(p, src=0, dst=1).sent_blocks == 3, "the refusal left the pair's channel clean"
 
 
 def test_a_rank_blocked_in_a_receive_still_serves(cluster, ray_session):
@@ -125,9 +132,7 @@ def test_a_rank_blocked_in_a_receive_still_serves(cluster, ray_session):
     src, dst = cluster.actors[0], cluster.actors[1]
     p = prompt(3 * T + 1, seed=5)
     serve(cluster, 0, Request(41, p))
-    export = get(ray, src.export_begin.remote(p))
-    target = get(ray, dst.import_begin.remote(p, export.blocks))
-    recv = dst.import_recv.remote(target.import_id, 0)
+    recv = dst.receive_prefix.remote(p, 0)
     ready, _ = ray.wait([recv], timeout=0.5)
     assert not ready, "nothing was sent yet"
     # While rank 1 waits in recv, it answers probes, reports load and serves.
@@ -135,8 +140,10 @@ def test_a_rank_blocked_in_a_receive_still_serves(cluster, ray_session):
     other = prompt(2 * T + 1, seed=6)
     (res,) = get(ray, dst.serve.remote([Request(42, other)])).outcomes
     assert res.computed_tokens == len(other)
-    assert get(ray, src.export_send.remote(export.pin_id, export.blocks - target.blocks, 1)) == target.blocks * BLOCK_BYTES
-    assert get(ray, recv) == target.blocks == 3
+    sent = get(ray, src.send_prefix.remote(p, 1))
+    received = get(ray, recv)
+    assert (sent.matched_blocks, sent.moved_blocks, sent.bytes) == (3, 3, 3 * BLOCK_BYTES)
+    assert (received.matched_blocks, received.moved_blocks, received.bytes) == (3, 3, 3 * BLOCK_BYTES)
     assert cluster.probe(p)[1] == 3 * T
 
 
@@ -162,16 +169,19 @@ def test_concurrent_migrations_on_one_pair_do_not_interleave(cluster):
         assert same_logits(m, s)
 
 
-def test_scattered_source_blocks_are_gathered_into_one_message(cluster, ray_session):
+def test_scattered_source_blocks_travel_straight_from_the_pool(cluster, ray_session):
     # Two requests decoding together get interleaved decode blocks: a prefix running through them is not one run.
     a, b = prompt(2 * T + 1, seed=80), prompt(2 * T + 1, seed=81)
     res = serve(cluster, 0, Request(81, a, 3 * T), Request(82, b, 3 * T))
     longer = a + res[0].output_tokens[:2 * T] + [7]  # 4 full blocks: 2 prompt + 2 decode blocks
     assert cluster.probe(longer)[0] == 4 * T
-    before = cluster.clients[0].info().transfers["sent_gathered"]
+    before = [c.info().transfers for c in cluster.clients[:2]]
     m = cluster.migrator.migrate(longer, src=0, dst=1)
     assert m.sent_blocks == 4
-    assert cluster.clients[0].info().transfers["sent_gathered"] == before + 1
+    sent, received = (c.info().transfers for c in cluster.clients[:2])
+    assert sent["sent_direct"] == before[0]["sent_direct"] + 1 and sent["gather_copies"] == before[0]["gather_copies"]
+    pieces = sent["sent_pieces"] - before[0]["sent_pieces"]
+    assert 1 < pieces == received["received_pieces"] - before[1]["received_pieces"]
     (scratch,) = serve(cluster, 2, Request(83, longer))
     (moved,) = serve(cluster, 1, Request(84, longer))
     assert scratch.cached_tokens == 0 and moved.cached_tokens == 4 * T

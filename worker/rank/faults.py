@@ -14,12 +14,12 @@ fetched too.
 """
 from __future__ import annotations
 
+import logging
+import os
 import random
 import threading
 import time
 from collections.abc import Callable
-import logging
-import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -32,6 +32,25 @@ CrashPoint = Literal["mid_prefill", "mid_publish", "migration_source", "migratio
 requests finish; after a batch was numbered and before it left; on a migration's source with its
 blocks pinned, mid-send; on its target with blocks allocated, mid-receive."""
 CRASH_POINTS: tuple[str, ...] = get_args(CrashPoint)
+
+
+@dataclass(frozen=True, slots=True)
+class CrashSpec:
+    """A crash a cluster arms when it starts (``Cluster.start(crashes=...)``): rank ``rank`` crashes the
+    ``after``-th time it reaches ``point``. Armed once, in the rank's first incarnation: the actor Ray restarts
+    after the crash starts with nothing armed."""
+
+    rank: int
+    point: CrashPoint
+    after: int = 1
+
+    def __post_init__(self) -> None:
+        if type(self.rank) is not int or self.rank < 0:
+            raise ValueError(f"CrashSpec.rank must be an int >= 0, got {self.rank!r}")
+        if self.point not in CRASH_POINTS:
+            raise ValueError(f"unknown crash point {self.point!r}; the points are {', '.join(CRASH_POINTS)}")
+        if type(self.after) is not int or self.after < 1:
+            raise ValueError(f"CrashSpec.after must be an int >= 1, got {self.after!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.rank.faults import CrashPoints
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot
 from kvledger.worker.wire.events import EventBatch, KVCacheCreated, KVEvent, encode_batch
 
@@ -23,11 +24,13 @@ class EventPublisher:
     """Turns one ledger's events into numbered, replayable batches.
 
     Its own state is guarded by a lock; callers serialize access to the manager
-    (the rank worker holds one lock around every ledger call).
+    (the rank worker holds one lock around every ledger call). ``faults`` are the
+    rank's crash points (``mid_publish``: a batch numbered and kept for replay
+    that has not left yet).
     """
 
     def __init__(self, manager: KVCacheManager, rank: int, replay_size: int = 1024,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, faults: CrashPoints | None = None) -> None:
         if replay_size < 1:
             raise ValueError(f"replay_size must be >= 1, got {replay_size}")
         self.manager = manager
@@ -37,6 +40,7 @@ class EventPublisher:
         self._next = 0
         self._dropped_seen = 0
         self._lock = threading.Lock()
+        self._faults = faults or CrashPoints(rank)
 
     @property
     def next_seq(self) -> int:
@@ -60,6 +64,7 @@ class EventPublisher:
         batch = PublishedBatch(self._next, encode_batch(EventBatch(ts=self.clock(), events=events, rank=self.rank)))
         self._next += 1
         self._replay.append(batch)
+        self._faults.reached("mid_publish")
         return batch
 
     def replay(self, from_seq: int) -> list[PublishedBatch] | None:

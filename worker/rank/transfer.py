@@ -1,88 +1,221 @@
 """A rank's two ends of a KV migration: pin and send blocks it holds, allocate and receive blocks it lacks.
 
-The choreography between two ranks is written once, in
-``kvledger.coordinator.migration``; these are the steps it calls on each side.
+The steps (pin, allocate what the target lacks, move, store, release) are
+written once; two choreographies call them. Between rank actors each side runs
+a whole migration in one call (``send_prefix`` on the source, ``receive_prefix``
+on the target, launched together), negotiating over the process group: the
+source sends the slots of the blocks it pinned while the target says how many
+of them it holds already (the two messages cross, so neither side waits for the
+other's), then the source sends the rest in the pieces ``transfer_plan`` cuts
+while the target allocates them and receives. In-process ranks and ledgers that keep only the books
+are driven step by step by ``kvledger.coordinator.migration`` (``export_begin``,
+``export_read`` / ``import_write`` for a tensor handed over, or
+``import_commit`` with no bytes at all, ``export_end``, ``import_abort``).
+
 The ledger is touched only under the rank's lock, while the bytes move outside
 it, into blocks the ledger holds for the transfer: pinned on the source, a
 running import sequence on the target. So a rank blocked in a ``recv`` still
-serves, probes and reports. A failed or aborted import never stores a block
-whose KV was not written.
-
-Bytes move one of three ways: over the process group (``export_send`` /
-``import_recv``, one contiguous message), in this process (``export_read`` /
-``import_write``, a tensor handed over), or not at all for ledgers that keep
-only the books (``import_commit``, the replay simulator's metadata path).
+serves, probes and reports. Whatever fails, each side undoes its own step (the
+pin is released, the import aborted): no block whose KV was not written is
+ever stored, nothing stays pinned, and a side that fails still sends its part
+of the negotiation, so its peer is not left waiting.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from math import prod
 
 import torch
 import torch.distributed as dist
 
 from kvledger.worker.ledger.kv_pool import copy_blocks
 from kvledger.worker.rank.books import RankBooks
+from kvledger.worker.rank.transfer_plan import is_run, plan_pieces
 from kvledger.worker.wire.messages import ExportTicket, ImportTicket
 from kvledger.worker.wire.request import Request
+
+logger = logging.getLogger(__name__)
 
 #: Ids the rank gives its own pins and imports: far below any id a caller would pick.
 _INTERNAL_IDS = itertools.count(-(2 ** 62))
 
+#: Bytes of one piece whose copies a side overlaps with the next piece on the wire.
+PIPELINE_BYTES = 8 << 20
 
-def contiguous_view(pool: torch.Tensor, slots: list[int]) -> torch.Tensor | None:
+#: Seconds a side still waits for each message it posted once another one failed.
+ABANDON_S = 1.0
+
+
+def contiguous_view(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor | None:
     """The pool's slice holding ``slots`` when they are one ascending run (no copy needed), else ``None``.
 
     The pool is block-major, so such a slice is one contiguous buffer a send can
     read from, or a receive write into, directly.
     """
-    if not slots or slots != list(range(slots[0], slots[0] + len(slots))):
+    if not slots or not is_run(slots):
         return None
     return pool[slots[0]:slots[0] + len(slots)]
 
 
+def header_blocks(num_tokens: int, tokens_per_block: int, max_blocks: int | None) -> int:
+    """The most blocks a source can pin for a prompt of ``num_tokens`` (the full blocks of all but its last
+    token, at most ``max_blocks``): both sides size the negotiation's first message by it."""
+    full = max(0, (num_tokens - 1) // tokens_per_block)
+    return full if max_blocks is None else min(full, max_blocks)
+
+
 class _Staging:
-    """A contiguous buffer for one migration's blocks, kept between transfers.
+    """A flat buffer a migration gathers into or receives into, kept between transfers.
 
     Fresh memory costs a page fault per page on first touch (about 25 ms for 64
-    MiB on this CPU, as long as the gloo transfer itself), so the buffer a rank
-    gathers into or receives into is reused; it grows to the largest transfer
-    seen. One transfer holds it at a time; a concurrent one (with another peer)
-    gets a fresh buffer instead of waiting.
+    MiB on this CPU, as long as the gloo transfer itself), so the buffer is
+    reused; it grows to the largest transfer seen. One transfer holds it at a
+    time; a concurrent one (with another peer) gets a fresh buffer instead of
+    waiting.
     """
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
         self._lock = threading.Lock()
 
-    def take(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """A ``[n, *block]`` buffer with ``like``'s block shape, dtype and device; and whether it is the kept one."""
-        shape = (n, *like.shape[1:])
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """A 1-D buffer of ``numel`` elements; and whether it is the kept one (to ``give_back``)."""
         if not self._lock.acquire(blocking=False):
-            return torch.empty(shape, dtype=like.dtype, device=like.device), False
+            return torch.empty(numel, dtype=dtype, device=device), False
         b = self._buf
-        if b is None or b.shape[0] < n or b.shape[1:] != like.shape[1:] or b.dtype != like.dtype \
-                or b.device != like.device:
-            self._buf = b = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return b[:n], True
+        if b is None or b.numel() < numel or b.dtype != dtype or b.device != device:
+            self._buf = b = torch.empty(numel, dtype=dtype, device=device)
+        return b[:numel], True
 
     def give_back(self, kept: bool) -> None:
         if kept:
             self._lock.release()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixMoved:
+    """One side's account of a migration it took part in (``send_prefix`` / ``receive_prefix``)."""
+
+    matched_blocks: int
+    """Full prefix blocks the source held (and pinned)."""
+    moved_blocks: int
+    """Blocks that crossed (the target already held the others)."""
+    bytes: int
+    seconds: float
+    """This side's share of the move itself, once both sides were prepared."""
+
+
+class _PieceBuffers:
+    """Each piece's tensors on one side, one per pool: a pool slice where the piece's slots there are one run,
+    else a slice of the staging buffer (``gather`` / ``scatter`` copy it from or to the pool). A slot of
+    ``None`` is a block this side receives and drops (a target that holds it already)."""
+
+    def __init__(self, pools: list[torch.Tensor], slot_lists: list[list[int | None]], staging: _Staging) -> None:
+        self.pools = pools
+        direct = [None not in s and is_run(s) for s in slot_lists]
+        n = sum(len(s) for s, d in zip(slot_lists, direct) if not d)
+        per_block = [prod(p.shape[1:]) for p in pools]
+        self.flat, self.kept = (staging.take(n * sum(per_block), pools[0].dtype, pools[0].device) if n
+                                else (None, False))
+        self._staging = staging
+        self.regions: list[torch.Tensor] = []
+        at = 0
+        for pool, e in zip(pools, per_block):
+            if self.flat is not None:
+                self.regions.append(self.flat[at:at + n * e].view(n, *pool.shape[1:]))
+            at += n * e
+        self.views: list[list[torch.Tensor]] = []
+        self.pairs: list[list[tuple[int, int]] | None] = []   # (pool slot, staging row) of a staged piece
+        row = 0
+        for slots, d in zip(slot_lists, direct):
+            if d:
+                self.views.append([contiguous_view(p, slots) for p in pools])
+                self.pairs.append(None)
+            else:
+                self.views.append([r[row:row + len(slots)] for r in self.regions])
+                self.pairs.append([(s, row + i) for i, s in enumerate(slots) if s is not None])
+                row += len(slots)
+
+    def gather(self, i: int) -> int:
+        """Copy piece ``i``'s blocks from the pools into its staging slices (if staged); returns slice copies."""
+        pairs = self.pairs[i]
+        return 0 if pairs is None else sum(copy_blocks(p, r, pairs) for p, r in zip(self.pools, self.regions))
+
+    def scatter(self, i: int) -> int:
+        """Copy piece ``i``'s staged blocks into the pools; returns slice copies."""
+        pairs = self.pairs[i]
+        if pairs is None:
+            return 0
+        back = [(r, s) for s, r in pairs]
+        return sum(copy_blocks(r, p, back) for p, r in zip(self.pools, self.regions))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for views in self.views for v in views)
+
+    def release(self) -> None:
+        self._staging.give_back(self.kept)
+
+
+def _wait_all(works: list) -> None:
+    """Wait for every posted send or receive; after one failed, give each of the others a moment only
+    (``ABANDON_S``: once a pair's channel broke, what is still posted on it never completes, and gloo would
+    hold it to the group's timeout), then re-raise the first failure."""
+    first: BaseException | None = None
+    for w in works:
+        try:
+            w.wait() if first is None else w.wait(timeout=timedelta(seconds=ABANDON_S))
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
 @dataclasses.dataclass(slots=True)
 class TransferCounts:
-    """How migrations moved their bytes (straight from or into the pool, or through the staging buffer)."""
+    """How migrations moved their bytes: straight from or into the pools (``*_direct``: no copy at all), or with
+    some pieces through the staging buffer; the messages (pieces) and slice copies it took."""
 
     sent_direct: int = 0
     sent_gathered: int = 0
     gather_copies: int = 0
+    sent_pieces: int = 0
     received_direct: int = 0
     received_scattered: int = 0
     scatter_copies: int = 0
+    received_pieces: int = 0
+
+
+def _message(count: int, slots: list[int], size: int, device: torch.device) -> torch.Tensor:
+    """``[count, *slots]`` padded with -1 to ``size`` entries: one negotiation message."""
+    m = torch.full((size,), -1, dtype=torch.int64)
+    m[0] = count
+    m[1:1 + len(slots)] = torch.tensor(slots, dtype=torch.int64)
+    return m.to(device)
+
+
+def _cross(out: torch.Tensor, into: torch.Tensor, peer: int, tag: int) -> list:
+    """Send ``out`` to ``peer`` while receiving ``into`` from it, both posted at once (so that neither side
+    waits for the other's send first, which NCCL, running a pair's operations in order, would deadlock on);
+    returns the (send, receive) works."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer, tag=tag),
+                                   dist.P2POp(dist.irecv, into, peer, tag=tag)])
+
+
+def _wait_quietly(works: list) -> None:
+    """After a failure: give each message still posted a moment (``ABANDON_S``) to end, raising nothing."""
+    for w in works:
+        try:
+            w.wait(timeout=timedelta(seconds=ABANDON_S))
+        except Exception as e:
+            logger.debug("a transfer's remaining message failed too: %s", e)
 
 
 class TransferEndpoints:
@@ -93,6 +226,204 @@ class TransferEndpoints:
         self.counts = TransferCounts()
         self._held: dict[int, list[int]] = {}   # pin or import id -> pool slots still to be sent or written
         self._send_staging, self._recv_staging = _Staging(), _Staging()
+        self._running: set[int] = set()   # tags of the migrations this rank is in now
+
+    def in_transfer(self, tag: int) -> bool:
+        """Whether this rank is still in migration ``tag`` (a restarted rank never is)."""
+        return tag in self._running
+
+    @contextmanager
+    def _taking_part(self, tag: int) -> Iterator[None]:
+        self._running.add(tag)
+        try:
+            yield
+        finally:
+            self._running.discard(tag)
+
+    # ------------------------------------------------------------------ a whole migration per side
+
+    def send_prefix(self, tokens: Sequence[int], dst_rank: int, max_blocks: int | None = None,
+                    lora_id: int | None = None, cache_salt: str | None = None, tag: int = 0) -> PrefixMoved:
+        """Source of a migration to ``dst_rank`` (which runs ``receive_prefix`` with the same arguments).
+
+        Pins the prefix blocks of ``tokens`` this rank holds and sends their
+        slots while the target says how many of them it holds already (the two
+        messages cross), then sends the blocks past the target's, in the pieces
+        ``transfer_plan`` cuts; releases the pin whatever happens. ``tag`` names
+        the migration's messages (gloo keeps migrations with different tags
+        apart, so two coordinators moving blocks between the same ranks do not
+        take each other's messages).
+        """
+        with self._taking_part(tag):
+            return self._send_prefix(tokens, dst_rank, max_blocks, lora_id, cache_salt, tag)
+
+    def _send_prefix(self, tokens: Sequence[int], dst_rank: int, max_blocks: int | None, lora_id: int | None,
+                     cache_salt: str | None, tag: int) -> PrefixMoved:
+        limit = header_blocks(len(tokens), self.books.template.tokens_per_block, max_blocks)
+        ctl = self._control_device()
+        held = torch.empty(1, dtype=torch.int64, device=ctl)
+        try:
+            ticket = self.export_begin(tokens, max_blocks, lora_id, cache_salt)
+        except BaseException:
+            self._refuse(held, 1 + limit, dst_rank, tag)
+            raise
+        try:
+            slots = self._held[ticket.pin_id]
+            assert len(slots) <= limit, f"pinned {len(slots)} blocks of a prompt with {limit} full blocks"
+            sent, got = _cross(_message(len(slots), slots, 1 + limit, ctl), held, dst_rank, tag)
+            works = [sent]
+            got.wait()
+            start = min(int(held[0]), len(slots))
+            if start < 0 or start == len(slots):   # the target failed (it reports why), or holds them all
+                _wait_all(works)
+                return PrefixMoved(len(slots), 0, 0, 0.0)
+            self.books.faults.reached("migration_source")
+            t0 = time.perf_counter()
+            nbytes = self._send_pieces(slots[start:], dst_rank, tag, works)
+            return PrefixMoved(len(slots), len(slots) - start, nbytes, time.perf_counter() - t0)
+        finally:
+            self.export_end(ticket.pin_id)
+
+    def receive_prefix(self, tokens: Sequence[int], src_rank: int, max_blocks: int | None = None,
+                       lora_id: int | None = None, cache_salt: str | None = None, tag: int = 0) -> PrefixMoved:
+        """Target of a migration from ``src_rank`` (which runs ``send_prefix`` with the same arguments).
+
+        Tells the source how many of the prompt's blocks this rank holds, learns
+        the source's pinned slots, allocates the blocks it lacks (sharing the
+        prefix it holds), receives them and stores them (reusable, announced with
+        ``BlockStored``). On any failure the import is aborted: nothing unwritten
+        is ever stored. Should the blocks this rank holds change in between (one
+        stored or evicted meanwhile), what it holds now is what it keeps: blocks
+        it gained are received and dropped, and blocks it lost make the migration
+        fail, with nothing stored.
+        """
+        with self._taking_part(tag):
+            return self._receive_prefix(tokens, src_rank, max_blocks, lora_id, cache_salt, tag)
+
+    def _receive_prefix(self, tokens: Sequence[int], src_rank: int, max_blocks: int | None, lora_id: int | None,
+                        cache_salt: str | None, tag: int) -> PrefixMoved:
+        T = self.books.template.tokens_per_block
+        limit = header_blocks(len(tokens), T, max_blocks)
+        ctl = self._control_device()
+        header = torch.empty(1 + limit, dtype=torch.int64, device=ctl)
+        try:
+            with self.books.lock:
+                have = min(self.books.ledger().probe_prefix_match_length(tokens, lora_id=lora_id,
+                                                                         cache_salt=cache_salt) // T, limit)
+        except BaseException:
+            self._refuse(header, 1, src_rank, tag)
+            raise
+        _wait_all(_cross(torch.full((1,), have, dtype=torch.int64, device=ctl), header, src_rank, tag))
+        n = int(header[0])
+        start = min(have, n)
+        if n <= start:   # nothing to receive; or the source failed (it reports why)
+            return PrefixMoved(max(n, 0), 0, 0, 0.0)
+        src_slots = header[1 + start:1 + n].tolist()
+        try:
+            ticket = self.import_begin(tokens, n, lora_id, cache_salt)
+        except BaseException:
+            self._receive_quietly(src_slots, src_rank, tag)
+            raise
+        try:
+            slots = self._held.get(ticket.import_id, [])
+            first_new = n - len(slots)
+            self.books.faults.reached("migration_target")
+            t0 = time.perf_counter()
+            if first_new < start:   # a block held when the source was told is gone: the chain has a gap
+                self._receive_pieces(src_slots, [None] * (n - start), src_rank, tag)
+                raise RuntimeError(f"rank {self.books.rank} lost prefix blocks {first_new}..{start - 1} during "
+                                   f"the migration from rank {src_rank}; nothing was stored")
+            dst = [None] * (first_new - start) + list(slots)   # blocks gained meanwhile are dropped
+            nbytes = self._receive_pieces(src_slots, dst, src_rank, tag)
+            if slots:
+                with self.books.lock:
+                    self._store(ticket.import_id)
+            return PrefixMoved(n, n - start, nbytes, time.perf_counter() - t0)
+        except BaseException:
+            self.import_abort(ticket.import_id)
+            raise
+
+    def _pools(self) -> list[torch.Tensor]:
+        with self.books.lock:
+            pools = self.books.ledger().pools.primary_pools
+        if not pools:
+            raise ValueError(f"rank {self.books.rank} keeps no KV tensors: there are no bytes to send or receive")
+        return pools
+
+    def _send_pieces(self, src: list[int], dst_rank: int, tag: int, works: list) -> int:
+        """Post every piece's sends (gathering a piece that is not one run just before its send, while earlier
+        ones are on the wire), then wait for all, ``works`` posted before too; returns the bytes sent."""
+        pools = self._pools()
+        pieces = self._plan(src, pools)
+        bufs = _PieceBuffers(pools, [[src[i] for i in p] for p in pieces], self._send_staging)
+        try:
+            copies = 0
+            for i in range(len(pieces)):
+                copies += bufs.gather(i)
+                works.extend(dist.isend(v, dst=dst_rank, tag=tag) for v in bufs.views[i])
+            _wait_all(works)
+            self._count(copies, len(pieces), sent=True)
+            return bufs.nbytes
+        except BaseException:
+            _wait_quietly(works)
+            raise
+        finally:
+            bufs.release()
+
+    def _receive_pieces(self, src: list[int], dst: list[int | None], src_rank: int, tag: int) -> int:
+        """Receive the blocks from source slots ``src`` into target slots ``dst`` (``None``: drop it), in the
+        source's pieces: post every receive, then wait for each piece in turn and scatter it while later ones
+        arrive; returns the bytes received."""
+        pools = self._pools()
+        pieces = self._plan(src, pools)
+        bufs = _PieceBuffers(pools, [[dst[i] for i in p] for p in pieces], self._recv_staging)
+        works = [[dist.irecv(v, src=src_rank, tag=tag) for v in views] for views in bufs.views]
+        try:
+            copies = 0
+            for i, piece_works in enumerate(works):
+                _wait_all(piece_works)
+                copies += bufs.scatter(i)
+            self._count(copies, len(pieces), sent=False)
+            return bufs.nbytes
+        except BaseException:
+            _wait_quietly([w for piece_works in works for w in piece_works])
+            raise
+        finally:
+            bufs.release()
+
+    def _receive_quietly(self, src: list[int], src_rank: int, tag: int) -> None:
+        """Take (and drop) the blocks a source is sending to a side that failed, so that it is not left waiting;
+        a channel that is gone already is logged, not raised over the failure being reported."""
+        try:
+            self._receive_pieces(src, [None] * len(src), src_rank, tag)
+        except Exception as e:
+            logger.warning("rank %d: could not drain the migration from rank %d: %s", self.books.rank, src_rank, e)
+
+    def _refuse(self, incoming: torch.Tensor, size: int, peer: int, tag: int) -> None:
+        """A side that failed before its first message: send ``size`` entries of -1 (there is nothing), and take
+        the peer's first message into ``incoming``, so that neither side is left waiting; a channel that is gone
+        already is logged, not raised over the failure being reported."""
+        try:
+            _wait_all(_cross(torch.full((size,), -1, dtype=torch.int64, device=incoming.device), incoming, peer, tag))
+        except Exception as e:
+            logger.warning("rank %d: could not tell rank %d that the migration failed: %s", self.books.rank, peer, e)
+
+    def _plan(self, src: list[int], pools: list[torch.Tensor]) -> list[list[int]]:
+        block_bytes = sum(p[0].numel() * p.element_size() for p in pools)
+        return plan_pieces(src, chunk_blocks=max(1, PIPELINE_BYTES // block_bytes))
+
+    def _count(self, copies: int, pieces: int, sent: bool) -> None:
+        c, staged = self.counts, copies > 0
+        if sent:
+            c.sent_pieces, c.gather_copies = c.sent_pieces + pieces, c.gather_copies + copies
+            c.sent_gathered, c.sent_direct = c.sent_gathered + staged, c.sent_direct + (not staged)
+        else:
+            c.received_pieces, c.scatter_copies = c.received_pieces + pieces, c.scatter_copies + copies
+            c.received_scattered, c.received_direct = c.received_scattered + staged, c.received_direct + (not staged)
+
+    def _control_device(self) -> torch.device:
+        """Where the negotiation's small messages live: the pool's device under NCCL, else the CPU."""
+        return self.books.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     # ------------------------------------------------------------------ source side
 
@@ -105,31 +436,6 @@ class TransferEndpoints:
                                                    max_blocks=max_blocks)
             self._held[pin_id] = slots
         return ExportTicket(pin_id, len(slots))
-
-    def export_send(self, pin_id: int, start: int, dst_rank: int) -> int:
-        """Send pinned blocks ``start..`` to ``dst_rank`` as one contiguous message, then unpin; returns bytes.
-
-        Straight from the pool when the blocks are one run of slots, else gathered
-        into the staging buffer (one slice copy per run of slots).
-        """
-        kept = False
-        try:
-            with self.books.lock:
-                slots = self._held[pin_id][start:]
-                pool = self.books.ledger().pools.primary
-                buf = contiguous_view(pool, slots)
-                if buf is None and slots:
-                    buf, kept = self._send_staging.take(len(slots), pool)
-                    self.counts.gather_copies += copy_blocks(pool, buf, [(s, i) for i, s in enumerate(slots)])
-                    self.counts.sent_gathered += 1
-                elif slots:
-                    self.counts.sent_direct += 1
-            if buf is not None:
-                dist.send(buf, dst=dst_rank)
-            return 0 if buf is None else buf.numel() * buf.element_size()
-        finally:
-            self._send_staging.give_back(kept)
-            self.export_end(pin_id)
 
     def export_read(self, pin_id: int, start: int) -> torch.Tensor | None:
         """In-process path: pinned blocks ``start..`` gathered into one tensor (``None`` if none), then unpinned."""
@@ -175,36 +481,6 @@ class TransferEndpoints:
             self._held[rid] = slots
             return ImportTicket(rid, len(slots))
 
-    def import_recv(self, import_id: int, src_rank: int) -> int:
-        """Receive the blocks from ``src_rank`` in one message and store them; returns blocks stored.
-
-        Straight into the pool when the destination slots are one run, else into
-        the staging buffer and scattered from there. The stored blocks are
-        reusable and announced (``BlockStored``). On any failure the import is
-        aborted: nothing unwritten is ever stored.
-        """
-        with self.books.lock:
-            slots = self._slots_of(import_id)
-            pool = self.books.ledger().pools.primary
-            direct = contiguous_view(pool, slots)
-            buf, kept = (direct, False) if direct is not None else self._recv_staging.take(len(slots), pool)
-        try:
-            try:
-                dist.recv(buf, src=src_rank)
-            except BaseException:
-                self.import_abort(import_id)
-                raise
-            with self.books.lock:
-                if direct is None:  # scatter
-                    self.counts.scatter_copies += copy_blocks(buf, pool, [(i, s) for i, s in enumerate(slots)])
-                    self.counts.received_scattered += 1
-                else:
-                    self.counts.received_direct += 1
-                self._store(import_id)
-        finally:
-            self._recv_staging.give_back(kept)
-        return len(slots)
-
     def import_write(self, import_id: int, data: torch.Tensor | None) -> int:
         """In-process path: scatter ``data`` (from ``export_read``) into the import's blocks and store them.
 
@@ -212,13 +488,14 @@ class TransferEndpoints:
         """
         with self.books.lock:
             slots = self._slots_of(import_id)
-            mgr = self.books.ledger()
-            want = (len(slots), *self.books.template.block_shape)
+            pools = self.books.ledger().pools
+            want = (len(slots), pools.elements_per_block)
             if data is None or tuple(data.shape) != want:
                 self._abort(import_id)
                 got = None if data is None else tuple(data.shape)
-                raise ValueError(f"import {import_id}: got a buffer of shape {got}, expected {want}")
-            mgr.pools.write_blocks(slots, data.to(device=mgr.pools.primary.device, dtype=self.books.template.dtype))
+                raise ValueError(f"import {import_id}: got a buffer of shape {got}, expected {want} "
+                                 "(blocks, elements of one block's K/V in every pool)")
+            pools.write_blocks(slots, data.to(device=pools.device, dtype=self.books.template.dtype).contiguous())
             self._store(import_id)
         return len(slots)
 

@@ -23,8 +23,9 @@ from kvledger.worker.ledger.manager import KVCacheManager
 from kvledger.worker.rank.books import RankBooks
 from kvledger.worker.rank.process_group import ProcessGroup
 from kvledger.worker.rank.pusher import EventPusher
+from kvledger.worker.rank.scheduler import BatchingConfig
 from kvledger.worker.rank.serving import RankServer
-from kvledger.worker.rank.transfer import TransferEndpoints
+from kvledger.worker.rank.transfer import PrefixMoved, TransferEndpoints
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot, StoredBlock
 from kvledger.worker.wire.messages import ExportTicket, ImportTicket, RankInfo, RankLoad, ServeReply
 from kvledger.worker.wire.request import Request
@@ -34,17 +35,19 @@ class RankWorker:
     """One rank of ``world_size`` (see the module docstring)."""
 
     def __init__(self, rank: int, world_size: int, cache: CacheConfig, seed: int = 0,
-                 gpu_memory_fraction: float = 0.5, replay_size: int = 1024) -> None:
+                 gpu_memory_fraction: float = 0.5, replay_size: int = 1024,
+                 batching: BatchingConfig = BatchingConfig()) -> None:
         if not isinstance(rank, int) or not isinstance(world_size, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in 0..world_size-1, got rank={rank!r} world_size={world_size!r}")
         self.rank, self.world_size = rank, world_size
         self.template = cache
         self.seed = seed
         self.replay_size = replay_size
+        self.batching = batching
         self.device = resolve_device(cache.device)
         self.books = RankBooks(rank, cache, self.device, gpu_memory_fraction, replay_size)
         self.engine = ReferenceEngine(cache, seed=seed)
-        self.server = RankServer(self.books, self.engine)
+        self.server = RankServer(self.books, self.engine, batching)
         self.group = ProcessGroup(rank, world_size, self.device)
         self.transfers = TransferEndpoints(self.books)
         self.pusher = EventPusher(self.books)
@@ -56,11 +59,11 @@ class RankWorker:
 
     # ------------------------------------------------------------------ budget and process group
 
-    def local_block_counts(self) -> tuple[int, int]:
+    def local_block_counts(self) -> tuple[int, ...]:
         return self.books.local_block_counts()
 
-    def build_ledger(self, num_primary: int, num_secondary: int) -> tuple[int, int]:
-        return self.books.build(num_primary, num_secondary)
+    def build_ledger(self, num_primary: int, num_secondary: int, *more_windows: int) -> tuple[int, ...]:
+        return self.books.build(num_primary, num_secondary, *more_windows)
 
     def open_store(self, host: str, timeout_s: float) -> int:
         return self.group.open_store(host, timeout_s)
@@ -71,12 +74,13 @@ class RankWorker:
     def leave_group(self) -> None:
         self.group.leave()
 
-    def agree_block_counts(self) -> tuple[int, int]:
-        """All-reduce MIN of this rank's block counts over the group, then build the ledger with the result."""
-        device, host = self.group.all_reduce_min(self.local_block_counts())
-        if device <= 0:
-            raise RuntimeError(f"the agreed device-tier block count is {device}: some rank has no budget")
-        return self.build_ledger(device, host)
+    def agree_block_counts(self) -> tuple[int, ...]:
+        """All-reduce MIN of this rank's block counts (per attention window) over the group, then build the ledger
+        with the result."""
+        counts = self.group.all_reduce_min(self.local_block_counts())
+        if min(counts[::2]) <= 0:
+            raise RuntimeError(f"the agreed device-tier block counts are {counts[::2]}: some rank has no budget")
+        return self.books.build(*counts)
 
     # ------------------------------------------------------------------ serving and reports
 
@@ -141,8 +145,16 @@ class RankWorker:
                      cache_salt: str | None = None) -> ExportTicket:
         return self.transfers.export_begin(tokens, max_blocks, lora_id, cache_salt)
 
-    def export_send(self, pin_id: int, start: int, dst_rank: int) -> int:
-        return self.transfers.export_send(pin_id, start, dst_rank)
+    def send_prefix(self, tokens: Sequence[int], dst_rank: int, max_blocks: int | None = None,
+                    lora_id: int | None = None, cache_salt: str | None = None, tag: int = 0) -> PrefixMoved:
+        return self.transfers.send_prefix(tokens, dst_rank, max_blocks, lora_id, cache_salt, tag)
+
+    def receive_prefix(self, tokens: Sequence[int], src_rank: int, max_blocks: int | None = None,
+                       lora_id: int | None = None, cache_salt: str | None = None, tag: int = 0) -> PrefixMoved:
+        return self.transfers.receive_prefix(tokens, src_rank, max_blocks, lora_id, cache_salt, tag)
+
+    def in_transfer(self, tag: int) -> bool:
+        return self.transfers.in_transfer(tag)
 
     def export_read(self, pin_id: int, start: int) -> torch.Tensor | None:
         return self.transfers.export_read(pin_id, start)
@@ -153,9 +165,6 @@ class RankWorker:
     def import_begin(self, tokens: Sequence[int], num_blocks: int, lora_id: int | None = None,
                      cache_salt: str | None = None) -> ImportTicket:
         return self.transfers.import_begin(tokens, num_blocks, lora_id, cache_salt)
-
-    def import_recv(self, import_id: int, src_rank: int) -> int:
-        return self.transfers.import_recv(import_id, src_rank)
 
     def import_write(self, import_id: int, data: torch.Tensor | None) -> int:
         return self.transfers.import_write(import_id, data)

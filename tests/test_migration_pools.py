@@ -1,0 +1,159 @@
+"""How a migration's bytes travel: the pieces ``transfer_plan`` cuts, the buffers each side sends from and receives
+into (pool slices, or staging it gathers into and scatters from), and ledgers with one pool per KV head count
+migrating in this process and over a real local Ray's process group."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvledger.coordinator.cluster import Cluster
+from kvledger.coordinator.config import ClusterConfig
+from kvledger.coordinator.local_cluster import LocalCluster
+from kvledger.worker.ledger import CacheConfig
+from kvledger.worker.rank.transfer import _PieceBuffers, _Staging
+from kvledger.worker.rank.transfer_plan import MAX_PIECES, is_run, plan_pieces
+from kvledger.worker.wire.request import Request
+
+T = 4
+HEADS = (2, 1, 2)   # two pools: layers 0 and 2 with 2 KV heads, layer 1 with 1
+TIMEOUT = 60
+
+
+def mixed_cache(blocks: int = 48) -> CacheConfig:
+    return CacheConfig(tokens_per_block=T, num_layers=3, num_kv_heads=2, num_kv_heads_per_layer=HEADS, head_dim=8,
+                       dtype=torch.float32, device="cpu", num_primary_blocks=blocks)
+
+
+def prompt(n_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n_tokens)]
+
+
+def same_logits(a, b) -> bool:
+    return torch.allclose(torch.tensor(a.last_logits), torch.tensor(b.last_logits), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------- the plan
+
+def freed_backwards(start: int, n: int) -> list[int]:
+    """Slots as a free list hands them out after a sequence was freed last block first."""
+    return list(range(start + n - 1, start - 1, -1))
+
+
+@pytest.mark.parametrize("src", [
+    list(range(10, 40)),                                   # one run: one piece per chunk
+    freed_backwards(0, 30),                                # descending: sorted, one run again
+    list(range(50, 60)) + freed_backwards(0, 20),          # two runs
+    random.Random(1).sample(range(500), 300),              # scattered: fixed chunks, gathered
+])
+def test_every_block_travels_once_in_few_pieces(src):
+    pieces = plan_pieces(src, chunk_blocks=8)
+    assert sorted(i for p in pieces for i in p) == list(range(len(src)))
+    assert len(pieces) <= MAX_PIECES
+    runs = len({s for s in src} - {s + 1 for s in src})   # slots that do not follow another one start a run
+    if runs <= MAX_PIECES:
+        assert all(is_run([src[i] for i in p]) for p in pieces), "each piece goes straight from the pool"
+        assert len(pieces) == sum(-(-n // 8) for n in _run_lengths(sorted(src)))
+    assert all(len(p) <= max(8, -(-len(src) // MAX_PIECES)) for p in pieces)
+
+
+def _run_lengths(slots: list[int]) -> list[int]:
+    out = [1]
+    for a, b in zip(slots, slots[1:]):
+        if b == a + 1:
+            out[-1] += 1
+        else:
+            out.append(1)
+    return out
+
+
+def test_a_bad_plan_request_is_refused():
+    assert plan_pieces([], chunk_blocks=4) == []
+    with pytest.raises(ValueError, match="chunk_blocks"):
+        plan_pieces([1, 2], chunk_blocks=0)
+
+
+# ---------------------------------------------------------------------- the buffers, with the wire in between
+
+def pools(num_blocks: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand((num_blocks, 2, 2, T, 2, 8), generator=g), torch.rand((num_blocks, 1, 2, T, 1, 8), generator=g)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("max_pieces", [MAX_PIECES, 2])
+def test_pieces_carry_each_block_into_its_slot_in_every_pool(seed, max_pieces):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 40)
+    src_slots, dst_slots = rng.sample(range(64), n), rng.sample(range(64), n)
+    if seed % 2:   # the target's free list backwards, as sequences freed last block first leave it
+        dst_slots = freed_backwards(3, n)
+    keep = [rng.random() < 0.8 for _ in range(n)]   # the rest the target holds already: received, dropped
+    dst: list[int | None] = [d if k else None for d, k in zip(dst_slots, keep)]
+    a, b = pools(64, seed), pools(64, 100 + seed)
+    b_before = [p.clone() for p in b]
+    pieces = plan_pieces(src_slots, chunk_blocks=3, max_pieces=max_pieces)
+    sent = _PieceBuffers(a, [[src_slots[i] for i in p] for p in pieces], _Staging())
+    got = _PieceBuffers(b, [[dst[i] for i in p] for p in pieces], _Staging())
+    for i in range(len(pieces)):
+        sent.gather(i)
+        for out, into in zip(sent.views[i], got.views[i]):
+            into.copy_(out)   # one message
+        got.scatter(i)
+    for pa, pb, pb0 in zip(a, b, b_before):
+        for s, d, k in zip(src_slots, dst_slots, keep):
+            assert torch.equal(pb[d], pa[s] if k else pb0[d])
+        untouched = sorted(set(range(64)) - {d for d, k in zip(dst_slots, keep) if k})
+        assert torch.equal(pb[untouched], pb0[untouched])
+    assert sent.nbytes == got.nbytes == n * sum(p[0].numel() * 4 for p in a)
+
+
+# ---------------------------------------------------------------------- ledgers with several pools
+
+def test_read_and_write_blocks_cover_every_pool():
+    cluster = LocalCluster.build(2, mixed_cache())
+    a, b = (cluster.reach(r).manager.pools for r in (0, 1))
+    for p in a.primary_pools:
+        p.copy_(torch.rand(p.shape))
+    data = a.read_blocks([5, 2, 9])
+    assert data.shape == (3, a.elements_per_block) and a.elements_per_block == sum(p[0].numel() for p in a.primary_pools)
+    b.write_blocks([7, 8, 1], data)
+    for pa, pb in zip(a.primary_pools, b.primary_pools):
+        assert torch.equal(pb[[7, 8, 1]], pa[[5, 2, 9]])
+
+
+def test_a_mixed_head_ledger_migrates_in_this_process():
+    cluster = LocalCluster.build(2, mixed_cache())
+    p = prompt(5 * T + 2, seed=1)
+    (scratch,) = cluster.client(0).serve([Request(1, p, 3)], logits=True).outcomes
+    assert cluster.migrator.migrate(p, src=0, dst=1).sent_blocks == 5
+    (moved,) = cluster.client(1).serve([Request(2, p, 3)], logits=True).outcomes
+    assert moved.cached_tokens == 5 * T and moved.output_tokens == scratch.output_tokens
+    assert same_logits(moved, scratch)
+
+
+@pytest.fixture(scope="module")
+def mixed_cluster(ray_session):
+    cfg = ClusterConfig(num_ranks=2, device="cpu", cache=mixed_cache(), name_prefix="kvledger-pools-rank",
+                        group_timeout_s=30, call_timeout_s=TIMEOUT)
+    c = Cluster.start(cfg)
+    yield c
+    c.shutdown()
+
+
+def test_a_mixed_head_ledger_migrates_over_the_process_group(mixed_cluster):
+    c = mixed_cluster
+    p = prompt(6 * T + 1, seed=2)
+    (scratch,) = c.client(0).serve([Request(1, p, 3)], logits=True).outcomes
+    c.client(1).serve([Request(2, p[:2 * T + 1])])   # the target shares two blocks already
+    m = c.migrator.migrate(p, src=0, dst=1)
+    block_bytes = sum(h * 2 * T * 8 * 4 for h in HEADS)
+    assert (m.matched_blocks, m.sent_blocks, m.bytes) == (6, 4, 4 * block_bytes)
+    (moved,) = c.client(1).serve([Request(3, p, 3)], logits=True).outcomes
+    assert moved.cached_tokens == 6 * T and moved.output_tokens == scratch.output_tokens
+    assert same_logits(moved, scratch)
+    for client in c.clients:
+        client.check_integrity()
+    assert [client.load().device_blocks_used for client in c.clients] == [0, 0]

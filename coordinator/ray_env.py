@@ -1,9 +1,15 @@
-"""Starting or joining Ray the same way everywhere: loopback sockets, one auth mode, code shipped to nodes.
+"""Starting or joining Ray the same way everywhere: loopback sockets, token auth on, code shipped to nodes.
 
 Every process of one cluster must see the same ``RAY_AUTH_MODE``; it is set
-here before ``ray.init`` and passed to every worker through the job's runtime
-environment, together with the kvledger package itself (so a multi-node
-cluster needs no shared file system and no install on the other nodes).
+here before ``ray.init`` (``token``: Ray's own authentication, so nothing
+without the cluster's token can join it, submit work or read its objects) and
+passed to every worker through the job's runtime environment, together with
+the kvledger package itself (so a multi-node cluster needs no shared file
+system and no install on the other nodes). The token itself never travels in
+the runtime environment (anyone who can read the job's metadata would have it):
+every process reads it where Ray looks for it (``RAY_AUTH_TOKEN``, the file
+``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token``); ``ensure_auth_token``
+creates that file once on the machine that starts a cluster.
 
 This module imports nothing of Ray at the top: the package's ``__init__``
 calls ``ray_env_vars`` before anything imports ray.
@@ -13,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -20,7 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
-ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+ENV_DEFAULTS = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+#: Where Ray reads the token when neither ``RAY_AUTH_TOKEN`` nor ``RAY_AUTH_TOKEN_PATH`` is set.
+DEFAULT_TOKEN_PATH = Path("~/.ray/auth_token")
 
 
 def ray_env_vars() -> dict[str, str]:
@@ -28,6 +37,39 @@ def ray_env_vars() -> dict[str, str]:
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     return {k: os.environ[k] for k in ENV_DEFAULTS}
+
+
+def auth_token_path() -> Path | None:
+    """The file Ray reads the token from, or ``None`` when ``RAY_AUTH_TOKEN`` holds it."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or DEFAULT_TOKEN_PATH).expanduser()
+
+
+def ensure_auth_token() -> Path | None:
+    """Make sure this machine has the cluster's token (token mode only); returns the file holding it.
+
+    A missing file is created once, readable by this user only, and never
+    rewritten: a driver or test session starting at the same moment reads the
+    one the first created (Ray's own generator rewrites the file, so two
+    starts racing could leave the first cluster with a token nobody holds).
+    """
+    if os.environ.get("RAY_AUTH_MODE", ENV_DEFAULTS["RAY_AUTH_MODE"]) != "token":
+        return None
+    path = auth_token_path()
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if not path.read_text().strip():
+            raise ValueError(f"the Ray auth token file {path} is empty: remove it (a new token is made) or copy "
+                             "the cluster's token into it") from None
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
 
 
 #: The subpackages a node needs: rank actors import ``worker`` and ``coordinator``, the router actor ``router``.
@@ -62,10 +104,11 @@ def runtime_env(shipped: Path | None) -> dict:
 
 def init_ray(address: str | None = None, num_cpus: float | None = None, namespace: str = "kvledger",
              ship_code: bool | None = None, log_to_driver: bool = True) -> None:
-    """Start a local Ray on 127.0.0.1 (``address=None``) or join ``address``; no dashboard.
+    """Start a local Ray on 127.0.0.1 (``address=None``) or join ``address``; no dashboard; token auth on.
 
-    ``ship_code`` (default: when joining) sends the kvledger package to the
-    nodes through ``py_modules`` (see ``package_for_nodes``).
+    Starting one creates this machine's token if there is none (``ensure_auth_token``); joining needs the
+    token of the cluster at ``address`` (Ray refuses the driver otherwise). ``ship_code`` (default: when
+    joining) sends the kvledger package to the nodes through ``py_modules`` (see ``package_for_nodes``).
     """
     if address is not None if ship_code is None else ship_code:
         with package_for_nodes() as shipped:   # uploaded by ray.init, so it may go once that returns
@@ -82,6 +125,7 @@ def _init(address: str | None, num_cpus: float | None, namespace: str, env: dict
             "ray was imported before kvledger's coordinator package set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: "
             "the local cluster will listen on the machine's address, not only on 127.0.0.1")
     if address is None:
+        ensure_auth_token()
         ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK,
                  num_cpus=None if num_cpus is None else int(num_cpus), namespace=namespace, runtime_env=env,
                  logging_level=logging.WARNING, log_to_driver=log_to_driver)

@@ -19,6 +19,14 @@ own thread in the same process, and a maintenance thread every
 ``health_interval_s`` checks the ranks, re-attaches the publisher of a rank
 that restarted, snapshots ranks the index does not know, and refreshes loads.
 ``RouterHost`` is the plain class; ``router_actor_class()`` wraps it.
+
+Replicas (``routers`` > 1, ``start_routers``) are independent router actors,
+each on its own port, each attached to every rank: a rank pushes each batch to
+all of them, so they build the same index from the same streams, and a replica
+that restarts re-attaches only itself. They share no state of their own: each
+learns what the others dispatched from the ranks' load reports (queued and
+running requests, queued prefill tokens), which its load account combines with
+its own dispatches (``router.load``), so replicas weigh the same load.
 """
 from __future__ import annotations
 
@@ -47,6 +55,11 @@ logger = logging.getLogger(__name__)
 ROUTER_NAME = "kvledger-router"
 
 
+def router_name(index: int, base: str = ROUTER_NAME) -> str:
+    """The actor name of replica ``index``: ``base`` for the first (as before replicas), ``base-1``... after."""
+    return base if index == 0 else f"{base}-{index}"
+
+
 @dataclass
 class RouterActorConfig:
     """Where the router listens and how it keeps up with the ranks; ``kvledger up`` builds flags from these."""
@@ -54,7 +67,9 @@ class RouterActorConfig:
     host: str = DEFAULT_HOST
     """Interface of the HTTP API (127.0.0.1: this machine only)."""
     port: int = DEFAULT_PORT
-    """Port of the HTTP API (0: any free port; the actor reports the one it got)."""
+    """Port of the HTTP API (0: any free port; the actor reports the one it got); replica i listens on port + i."""
+    routers: int = 1
+    """Router replicas, each an actor with its own HTTP port and its own index fed by every rank's events."""
     router: RouterConfig = field(default_factory=RouterConfig)
     push_interval_s: float = 0.005
     """How often each rank drains its ledger and pushes a batch (when it has events)."""
@@ -75,6 +90,10 @@ class RouterActorConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        if type(self.routers) is not int or self.routers < 1:
+            raise ValueError(f"routers must be an int >= 1, got {self.routers!r}")
+        if self.port and self.port + self.routers - 1 > 65535:
+            raise ValueError(f"{self.routers} routers from port {self.port} would need ports past 65535")
         if self.api_keys is not None:
             ApiKeys.load(self.api_keys)   # a bad file fails here, naming its line
         elif not is_loopback(self.host) and not self.allow_unauthenticated:
@@ -177,18 +196,37 @@ def router_actor_class():
 def start_router(cluster: Cluster, config: RouterActorConfig = RouterActorConfig(), name: str = ROUTER_NAME,
                  detached: bool = False, timeout_s: float = 120.0):
     """Spawn the router actor on this node (its HTTP API binds here); returns ``(handle, url)``."""
+    ((handle, url),) = start_routers(cluster, dataclasses.replace(config, routers=1), name, detached, timeout_s)
+    return handle, url
+
+
+def start_routers(cluster: Cluster, config: RouterActorConfig = RouterActorConfig(), name: str = ROUTER_NAME,
+                  detached: bool = False, timeout_s: float = 120.0) -> list[tuple[ray.actor.ActorHandle, str]]:
+    """Spawn ``config.routers`` replicas on this node, named ``router_name(i, name)``, replica i on
+    ``config.port + i`` (each on a free port of its own when it is 0); ``(handle, url)`` of each, in order.
+
+    They start side by side; each snapshots the ranks and attaches itself to them.
+    """
     tpb = cluster.config.cache.tokens_per_block
     if config.router.tokens_per_block != tpb:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router, tokens_per_block=tpb))
     if cluster.actors and cluster.block_counts is None:
         raise ValueError("the cluster has not agreed block counts yet; start the router after Cluster.start")
-    if config.port == 0:   # a restart binds the port the first start got
-        config = dataclasses.replace(config, port=free_port(config.host))
-    opts = dict(name=name, namespace=cluster.config.namespace, num_cpus=0, max_restarts=config.max_restarts,
+    opts = dict(namespace=cluster.config.namespace, num_cpus=0, max_restarts=config.max_restarts,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                    soft=False))
     if detached:
         opts["lifetime"] = "detached"
     cls = router_actor_class()
-    handle = cls.options(**opts).remote(cluster.config, list(cluster.actors), cluster.device, config)
-    return handle, ray.get(handle.url.remote(), timeout=timeout_s)
+    handles, ports = [], set()
+    for i in range(config.routers):
+        # a restart binds the port the first start got; each replica a port of its own
+        port = config.port + i if config.port else 0
+        while port == 0 or port in ports:
+            port = free_port(config.host)
+        ports.add(port)
+        replica = dataclasses.replace(config, port=port)
+        handles.append(cls.options(name=router_name(i, name), **opts).remote(cluster.config, list(cluster.actors),
+                                                                             cluster.device, replica))
+    urls = ray.get([h.url.remote() for h in handles], timeout=timeout_s)
+    return list(zip(handles, urls))

@@ -38,12 +38,14 @@ def _number(parse: Callable[[str], float], ok: Callable[[float], bool], what: st
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
+_nonneg_float = _number(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns its parser."""
     from kvledger.launch.flags import attribute_docs
-    from kvledger.replay.config import CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS, TINY_BLOCK_SIZE
+    from kvledger.replay.config import (CONCURRENCY, DEFAULT_LIMIT, MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS,
+                                        REPLICA_EVENT_LAG_S, REPLICA_LOAD_REPORT_S, TINY_BLOCK_SIZE)
     from kvledger.replay.simulator import SimCosts
 
     p = subparsers.add_parser(
@@ -97,6 +99,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help=f"--engine tiny: outputs capped at N tokens (default {MAX_OUTPUT_TOKENS})")
     p.add_argument("--concurrency", type=_positive_int, default=CONCURRENCY, metavar="N",
                    help=f"--engine tiny: threads sending requests, the most in flight at once (default {CONCURRENCY})")
+    p.add_argument("--routers", type=_positive_int, default=1, metavar="N",
+                   help="router replicas: replay with 1, 2, 4 ... N replicas, each with its own index fed the same "
+                        "events and its own load account, the ranks' load reports their only shared state; print "
+                        "hit rate, TTFT and routing precision per count against the 1-router run (--engine sim)")
+    p.add_argument("--event-lag-s", type=_nonneg_float, default=REPLICA_EVENT_LAG_S, metavar="S",
+                   help="with --routers: simulated seconds an event batch takes to reach the replicas' indexes "
+                        f"(default {REPLICA_EVENT_LAG_S:g}, the ranks' push interval)")
+    p.add_argument("--load-report-s", type=_nonneg_float, default=REPLICA_LOAD_REPORT_S, metavar="S",
+                   help="with --routers: how often the replicas read the ranks' load reports (default "
+                        f"{REPLICA_LOAD_REPORT_S:g}, the live router's health round; 0: never)")
     defaults, docs = SimCosts(), attribute_docs(SimCosts)
     for f in fields(SimCosts):
         p.add_argument("--" + f.name.replace("_", "-"), type=float, default=getattr(defaults, f.name),
@@ -131,6 +143,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from kvledger.replay import report
     from kvledger.replay.config import BenchConfig, TinyOptions
+    from kvledger.replay.replicas import render_replicas, replicas_json, sweep
     from kvledger.replay.runner import run
 
     err = Console(stderr=True)
@@ -145,7 +158,9 @@ def run_bench(args: argparse.Namespace) -> int:
                              tiny=TinyOptions(max_input_tokens=args.max_input_tokens,
                                               max_output_tokens=args.max_output_tokens,
                                               concurrency=args.concurrency),
-                             vllm=tuple(args.vllm))
+                             vllm=tuple(args.vllm), routers=args.routers,
+                             **({"event_lag_s": args.event_lag_s, "load_report_s": args.load_report_s}
+                                if args.routers > 1 else {}))
         _check_outputs(args.json, args.plot)
     except ValueError as e:
         print(f"kvledger bench: error: {e}", file=sys.stderr)
@@ -158,9 +173,13 @@ def run_bench(args: argparse.Namespace) -> int:
         for p in policies:
             tasks[p] = progress.add_task(p, total=len(trace.requests))
 
+    def advance(policy: str, k: int) -> None:
+        progress.advance(tasks[policy], k)
+
     try:
         with progress:
-            result = run(config, progress=lambda p, k: progress.advance(tasks[p], k), on_trace=on_trace)
+            replicas = sweep(config, advance, on_trace) if config.routers > 1 else None
+            result = run(config, advance, on_trace) if replicas is None else replicas[1]
     except ValueError as e:
         print(f"kvledger bench: error: {e}", file=sys.stderr)
         return 2
@@ -175,8 +194,12 @@ def run_bench(args: argparse.Namespace) -> int:
     out = Console()
     if not out.is_terminal:
         out = Console(width=160)
+    if replicas is not None:
+        title += " (1 router: the baseline of the replica table below)"
     out.print(report.render_table(result.bounds, result.summaries, title))
-    print(f"replayed in {result.wall_s:.1f} s wall")
+    if replicas is not None:
+        out.print(render_replicas(replicas))
+    print(f"replayed in {sum(r.wall_s for r in replicas.values()) if replicas else result.wall_s:.1f} s wall")
     if measured:
         print(f"engine {result.engine}: TTFT and e2e are the measured completion latency from the scheduled "
               "arrival; load = seconds each rank had a request in flight")
@@ -189,7 +212,10 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"{name}: {e['failed']} request(s) failed, {e['inconsistent']} with cached + computed != "
                       f"prompt tokens; first errors: {e['errors']}", file=sys.stderr)
     if args.json:
-        report.write_json(args.json, report.to_json(result.meta(), result.bounds, result.summaries))
+        doc = report.to_json(result.meta(), result.bounds, result.summaries)
+        if replicas is not None:
+            doc["replicas"] = replicas_json(replicas)
+        report.write_json(args.json, doc)
         print(f"wrote {args.json}")
     if args.plot:
         report.write_plot(args.plot, result.bounds, result.summaries, result.runs, title, measured=measured)

@@ -1,7 +1,9 @@
 """``kvledger route`` and ``kvledger monitor``: clients of the router's HTTP API.
 
-Both find the router at ``--url``, else at the URL the running cluster's state
-file records, else at http://127.0.0.1:8000, and send ``--api-key`` (else
+Both find the router at ``--url``, else at the running cluster's replica
+``--router-index`` (state file), else at its first replica that answers
+``/health`` (any replica serves any request and sees every rank's events), else
+at http://127.0.0.1:8000, and send ``--api-key`` (else
 ``$KVLEDGER_API_KEY``) when the router has keys. ``monitor`` shows a per-rank
 table (blocks per tier, hit rate, events/s) refreshed in place with rich, and
 the last events of the live stream under it; ``--json`` prints the stream's
@@ -30,8 +32,25 @@ def auth_headers(api_key: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def router_url(url: str | None = None) -> str:
-    """``url``, else the running cluster's router (state file), else the default."""
+def router_state(url: str, timeout_s: float = 3.0) -> str:
+    """What the router at ``url`` says of itself: ``ready``, ``starting`` (rebuilding its index after a
+    restart), ``no live rank``, or ``not answering``."""
+    try:
+        r = httpx.get(f"{url}/health", headers=auth_headers(), timeout=timeout_s)
+    except httpx.HTTPError:
+        return "not answering"
+    if r.status_code == 200:
+        return "ready"
+    try:
+        code = r.json().get("error", {}).get("code") or r.json().get("status")
+    except ValueError:
+        code = None
+    return "starting" if code == "starting" else "no live rank" if code == "no_live_rank" else f"HTTP {r.status_code}"
+
+
+def router_url(url: str | None = None, index: int | None = None) -> str:
+    """``url``; else the running cluster's replica ``index`` (state file), or its first ready replica (the
+    first recorded when none is ready); else the default."""
     if url:
         return url.rstrip("/")
     from kvledger.launch.state import ClusterState
@@ -40,8 +59,14 @@ def router_url(url: str | None = None) -> str:
         state = ClusterState.load()
     except ValueError:
         state = None
-    recorded = getattr(state, "router_url", None) if state is not None else None
-    return (recorded or DEFAULT_URL).rstrip("/")
+    urls = [] if state is None else state.router_urls
+    if index is not None:
+        if not 0 <= index < len(urls):
+            raise ValueError(f"--router-index {index}: the running cluster has {len(urls)} router(s)"
+                             + (f", 0..{len(urls) - 1}" if urls else ""))
+        return urls[index].rstrip("/")
+    ready = next((u for u in urls if router_state(u) == "ready"), None)
+    return (ready or (urls[0] if urls else DEFAULT_URL)).rstrip("/")
 
 
 def _explain(e: httpx.HTTPError, url: str) -> str:
@@ -52,10 +77,15 @@ def _explain(e: httpx.HTTPError, url: str) -> str:
 
 def route(prompt: str, url: str | None = None, salt: str | None = None, max_tokens: int = 16,
           timeout_s: float = 300.0, model: str | None = None, chat: bool = False, stream: bool = False,
-          api_key: str | None = None, out: Callable[[str], None] = print) -> int:
-    """Send one completion (``chat``: as a user message); print the rank chosen, predicted, cached and computed
-    tokens and the output text (``stream``: as it arrives)."""
-    url = router_url(url)
+          api_key: str | None = None, router_index: int | None = None, out: Callable[[str], None] = print) -> int:
+    """Send one completion (``chat``: as a user message) to the router ``router_url(url, router_index)``;
+    print the rank chosen, predicted, cached and computed tokens and the output text (``stream``: as it
+    arrives)."""
+    try:
+        url = router_url(url, router_index)
+    except ValueError as e:
+        out(f"kvledger route: {e}")
+        return 2
     body: dict = {"max_tokens": max_tokens}
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     for k, v in (("cache_salt", salt), ("model", model)):
@@ -132,9 +162,15 @@ def _latest_event_id(url: str) -> int:
 
 
 def monitor(url: str | None = None, rank: int | None = None, as_json: bool = False, seconds: float | None = None,
-            history: int = 12, refresh_s: float = 1.0, out: Callable[[str], None] = print) -> int:
-    """Watch the router: JSON lines (``as_json``) or a live table; stops after ``seconds`` or on Ctrl-C."""
-    url = router_url(url)
+            history: int = 12, refresh_s: float = 1.0, router_index: int | None = None,
+            out: Callable[[str], None] = print) -> int:
+    """Watch the router ``router_url(url, router_index)``: JSON lines (``as_json``) or a live table; stops after
+    ``seconds`` or on Ctrl-C."""
+    try:
+        url = router_url(url, router_index)
+    except ValueError as e:
+        out(f"kvledger monitor: {e}")
+        return 2
     try:
         if as_json:
             _stream(url, rank, 0, threading.Event(), out, seconds)

@@ -45,12 +45,17 @@ class ClusterState:
     ray_pids: list[int] = field(default_factory=list)
     """Ray processes ``up`` started (head services), with their start times below."""
     ray_pid_starts: list[int] = field(default_factory=list)
-    router_url: str | None = None
-    """The router's HTTP API, when ``up`` started one."""
-    router_name: str | None = None
-    """Name of the router actor (in ``namespace``)."""
+    router_urls: list[str] = field(default_factory=list)
+    """The HTTP API of each router replica ``up`` started (none: no router), the first replica's first."""
+    router_names: list[str] = field(default_factory=list)
+    """Names of the router actors (in ``namespace``), in the same order."""
     ready: bool = False
     created: float = field(default_factory=time.time)
+
+    @property
+    def router_url(self) -> str | None:
+        """The first replica's HTTP API (``None``: no router)."""
+        return self.router_urls[0] if self.router_urls else None
 
     def save(self) -> Path:
         path = state_path()

@@ -85,33 +85,34 @@ def _where(state: ClusterState) -> str:
             f"  Python        import ray; from kvledger.coordinator.cluster import Cluster\n"
             f"                ray.init(address={state.address!r}, namespace={state.namespace!r}); "
             f"cluster = Cluster.connect()\n"
-            + (f"  router        {state.router_url}  (kvledger route PROMPT | kvledger monitor)\n"
-               if state.router_url else "")
+            + "".join(f"  router {i:<6} {url}" + ("  (kvledger route PROMPT | kvledger monitor; "
+                                                     "--router-index I for another replica)" if i == 0 else "") + "\n"
+                      for i, url in enumerate(state.router_urls))
             + f"  state file    {state_path()}\n"
             f"  commands      kvledger status [--json] | kvledger down")
 
 
-def _start_router(cluster, config: RouterActorConfig, detached: bool, out: Callable[[str], None]):
-    """Start the router actor (HTTP API) over the ranks; ``(handle, url)``, or ``(None, None)`` when it cannot.
+def _start_routers(cluster, config: RouterActorConfig, detached: bool, out: Callable[[str], None]) -> list:
+    """Start the router replicas (HTTP API) over the ranks; ``(handle, url)`` of each, none when they cannot.
 
-    Keep the handle while the router is wanted: Ray ends a non-detached actor once no handle to it is left.
+    Keep the handles while the routers are wanted: Ray ends a non-detached actor once no handle to it is left.
     """
+    from kvledger.coordinator.router_actor import ROUTER_NAME, router_name, start_routers
     try:
-        from kvledger.coordinator.router_actor import ROUTER_NAME, start_router
-        return start_router(cluster, config, name=ROUTER_NAME, detached=detached)
+        return start_routers(cluster, config, name=ROUTER_NAME, detached=detached)
     except Exception as e:  # the ranks stay usable from Python; say why the HTTP API is missing
+        _kill_routers([router_name(i) for i in range(config.routers)], cluster.config.namespace)
         out(f"the router did not start ({type(e).__name__}: {e}); the cluster is reachable from Python only")
-        return None, None
+        return []
 
 
-def _kill_router(name: str | None, namespace: str) -> None:
+def _kill_routers(names: list[str], namespace: str) -> None:
     import ray
-    if name is None:
-        return
-    try:
-        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-    except ValueError:  # no actor of that name: already gone
-        pass
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:  # no actor of that name: already gone
+            pass
 
 
 def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
@@ -120,7 +121,7 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
 
     from kvledger.coordinator.cluster import Cluster
     from kvledger.coordinator.ray_env import init_ray
-    from kvledger.coordinator.router_actor import ROUTER_NAME
+    from kvledger.coordinator.router_actor import router_name
 
     config, address, workload = options.cluster, options.address, options.workload
     existing = ClusterState.load()
@@ -133,8 +134,7 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
     num_cpus = max(os.cpu_count() or 1, math.ceil(config.num_ranks * config.num_cpus_per_rank))
     init_ray(address=address, num_cpus=num_cpus, namespace=config.namespace, log_to_driver=False)
     cluster = None
-    router_name = None
-    router_actor = None  # the router's handle: holding it keeps a non-detached router alive
+    routers: list = []  # (handle, url) of each replica: holding the handles keeps non-detached routers alive
     try:
         t0 = time.perf_counter()
         if config.num_ranks:
@@ -149,18 +149,15 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
             from kvledger.launch.workload import run_bundled
             assert options.router is not None, "UpOptions refuses a workload without a router"
             # A one-shot run takes any free port, so it never collides with a cluster already serving.
-            one_shot = dataclasses.replace(options.router, port=0)
-            router_actor, router_url = _start_router(cluster, one_shot, False, out)
-            if router_actor is None:
+            one_shot = dataclasses.replace(options.router, port=0, routers=1)
+            routers = _start_routers(cluster, one_shot, False, out)
+            if not routers:
                 return 1
-            router_name = ROUTER_NAME
-            out(f"router on {router_url} (policy {one_shot.router.policy})")
-            run_bundled(cluster, router_url, out)
+            out(f"router on {routers[0][1]} (policy {one_shot.router.policy})")
+            run_bundled(cluster, routers[0][1], out)
             return 0
-        router_url = None
         if options.router is not None:
-            router_actor, router_url = _start_router(cluster, options.router, config.detached, out)
-            router_name = ROUTER_NAME if router_actor is not None else None
+            routers = _start_routers(cluster, options.router, config.detached, out)
         node = ray._private.worker._global_node
         pids = _ray_pids() if address is None else []
         state = ClusterState(address=node.gcs_address if node is not None else address,
@@ -170,7 +167,8 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
                              owner_pid=os.getpid(),
                              owner_start=start_time(os.getpid()), started_ray=address is None,
                              ray_pids=[p for p, _ in pids], ray_pid_starts=[s for _, s in pids],
-                             router_url=router_url, router_name=router_name, ready=True)
+                             router_urls=[url for _, url in routers],
+                             router_names=[router_name(i) for i in range(len(routers))], ready=True)
         state.save()
         out(_where(state))
         out("holding the cluster; Ctrl-C stops it")
@@ -186,7 +184,7 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-        _kill_router(router_name, config.namespace)
+        _kill_routers([router_name(i) for i in range(len(routers))], config.namespace)
         if cluster is not None:
             cluster.shutdown()
         st = ClusterState.load()
@@ -306,6 +304,7 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
     st["address"] = state.address
     st["owner_pid"] = state.owner_pid
     st["router_url"] = state.router_url
+    st["routers"] = _routers_view(state)
     st["router"] = _router_view(state.router_url)
     if as_json:
         out(json.dumps(st, indent=2, default=str))
@@ -314,7 +313,9 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
     blocks = ("no ranks of its own" if not st["num_ranks"] else "no agreed block counts yet" if agreed is None
               else f"agreed blocks per rank: {agreed['device']} device, {agreed['host']} host")
     out(f"cluster at {state.address}: {st['num_ranks']} rank(s), device {st['device']}, {blocks}; "
-        f"router {state.router_url or 'not running'}")
+        + (f"{len(state.router_urls)} router(s)" if state.router_urls else "router not running"))
+    for r in st["routers"]:
+        out(f"router {r['index']}: {r['url']} {r['state']} (actor {r['name']})")
     out(f"{'rank':>4} {'alive':>5} {'device':>7} {'in use':>7} {'free':>7} {'host in use':>11} {'served':>6}")
     for r in st["ranks"]:
         if not r["alive"]:
@@ -337,6 +338,13 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
             if r["rejected"]:
                 out(f"rank {r['rank']}: events rejected " + ", ".join(f"{n} {why}" for why, n in r["rejected"].items()))
     return 0 if all(r["alive"] for r in st["ranks"]) else 2
+
+
+def _routers_view(state: ClusterState) -> list[dict]:
+    """Each router replica the state file lists, with what it says of itself now (``router_state``)."""
+    from kvledger.launch.router_client import router_state
+    return [{"index": i, "url": url, "name": name, "state": router_state(url)}
+            for i, (url, name) in enumerate(zip(state.router_urls, state.router_names))]
 
 
 def _router_view(url: str | None) -> dict | None:
@@ -365,9 +373,10 @@ def down(out: Callable[[str], None] = print, grace_s: float = 30.0) -> int:
     try:
         ray, cluster = _connect(state)
         try:
-            _kill_router(state.router_name, state.namespace)
+            _kill_routers(state.router_names, state.namespace)
             cluster.shutdown()
-            out(f"killed {state.num_ranks} rank actor(s)" + (" and the router" if state.router_name else ""))
+            n = len(state.router_names)
+            out(f"killed {state.num_ranks} rank actor(s)" + (f" and {n} router(s)" if n else ""))
         finally:
             ray.shutdown()
     except Exception as e:  # the Ray may already be gone; the processes below are still ours to stop

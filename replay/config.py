@@ -54,6 +54,11 @@ SYNTHETIC_BLOCK_SIZE = 64
 #: Requests of a generated trace when ``--limit`` is not given.
 SYNTHETIC_REQUESTS = 1000
 ENGINES = ("sim", "tiny", "vllm")
+#: ``--routers N``: how late a rank's event batch reaches a replica's index (its publisher's push interval, 5 ms).
+REPLICA_EVENT_LAG_S = 0.005
+#: ``--routers N``: how often the replicas read the ranks' load reports (the live router's health round,
+#: ``RouterActorConfig.health_interval_s``).
+REPLICA_LOAD_REPORT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,12 @@ class BenchConfig:
     """Prompt and output caps and client concurrency of ``engine="tiny"`` and ``"vllm"`` (``replay/tiny.py``)."""
     vllm: tuple[str, ...] = ()
     """``engine="vllm"``: the vLLM servers replayed through, one rank each (``replay/vllm.py``)."""
+    routers: int = 1
+    """Router replicas the simulated requests are spread over (``replay/replicas.py`` compares 1, 2, 4 ... N)."""
+    event_lag_s: float = 0.0
+    """Simulated delay of each event batch on its way to the routers' indexes."""
+    load_report_s: float = 0.0
+    """How often the simulated routers read the ranks' load reports (0: never)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -99,6 +110,11 @@ class BenchConfig:
             raise ValueError(f"--jobs must be an int >= 0, got {self.jobs!r}")
         if self.tokens_per_block is not None and (type(self.tokens_per_block) is not int or self.tokens_per_block < 1):
             raise ValueError(f"--tokens-per-block must be a positive int, got {self.tokens_per_block!r}")
+        if type(self.routers) is not int or self.routers < 1:
+            raise ValueError(f"--routers must be a positive int, got {self.routers!r}")
+        if self.routers > 1 and self.engine != "sim":
+            raise ValueError(f"--routers {self.routers} is measured in the simulator (--engine sim); "
+                             f"--engine {self.engine} replays through one router")
 
     @property
     def policies(self) -> list[str]:

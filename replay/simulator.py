@@ -28,6 +28,17 @@ The model of a rank (kept simple on purpose; ``SimCosts`` holds the figures):
   starts, the target ledger imports the prefix the source still holds (a
   prefix request admitted, stored and released), announced as ordinary
   ``BlockStored`` events, and the transfer time is charged to the target.
+
+Router replicas (``routers`` > 1): each arriving request goes to one of
+``routers`` replicas (seeded, uniformly), each with an index, a policy and a
+load account of its own. Every replica's index is fed the same batches, each
+``event_lag_s`` after the rank published it (the push's delay); the only state
+they share is the ranks' load reports (waiting and running requests, waiting
+prefill tokens), taken every ``load_report_s`` and read by every replica's
+account next to its own dispatches (``router.load``), as live replicas read
+their ranks' ``load()``. *Routing precision* is measured against the ranks'
+ledgers at the moment of each decision: the share of requests, among those a
+rank held a prefix of, sent to a rank holding the longest one.
 """
 from __future__ import annotations
 
@@ -45,7 +56,7 @@ import torch
 from kvledger.coordinator.migration import migrate_prefix
 from kvledger.replay.trace import BlockChains, Trace, TraceRequest, request_tokens
 from kvledger.router.index import PrefixIndex
-from kvledger.router.load import Dispatch, LoadAccount
+from kvledger.router.load import Dispatch, LoadAccount, ReportedQueue
 from kvledger.router.policies import RouteRequest, RoutingPolicy, make_policy
 from kvledger.router.policies.base import check_nonneg_numbers
 from kvledger.router.probe import PrefixMatch, match_prefix
@@ -118,6 +129,12 @@ class SimConfig:
     costs: SimCosts = field(default_factory=SimCosts)
     load_buckets: int = 60
     """Time buckets of the per-rank load series."""
+    routers: int = 1
+    """Router replicas the requests are spread over, each with its own index, policy and load account."""
+    event_lag_s: float = 0.0
+    """Simulated seconds from a rank's publishing a batch to every replica's index applying it."""
+    load_report_s: float = 0.0
+    """How often the ranks' load reports are taken for the routers (0: never; the routers' own accounts only)."""
 
     def __post_init__(self) -> None:
         if type(self.ranks) is not int or self.ranks < 1:
@@ -130,6 +147,12 @@ class SimConfig:
             raise ValueError(f"tokens_per_block must be a positive int, got {self.tokens_per_block!r}")
         if type(self.speed) not in (int, float) or not math.isfinite(self.speed) or self.speed <= 0:
             raise ValueError(f"speed must be a finite number > 0, got {self.speed!r}")
+        if type(self.routers) is not int or self.routers < 1:
+            raise ValueError(f"routers must be a positive int, got {self.routers!r}")
+        for name in ("event_lag_s", "load_report_s"):
+            v = getattr(self, name)
+            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
     def rank_blocks(self, rank: int, total: int) -> int:
         base, extra = divmod(total, self.ranks)
@@ -158,6 +181,16 @@ class PolicyRun:
     makespan_s: float
     wall_s: float
     output_tokens: int
+    routers: int = 1
+    held_prefix: int = 0
+    """Requests some rank held a prefix of (full blocks) when they were routed."""
+    to_longest: int = 0
+    """Of those, the requests sent to a rank holding the longest such prefix."""
+
+    @property
+    def routing_precision(self) -> float:
+        """``to_longest / held_prefix`` (1.0 when no rank ever held a prefix)."""
+        return self.to_longest / self.held_prefix if self.held_prefix else 1.0
 
 
 class RouteHasher:
@@ -188,14 +221,26 @@ class RouteHasher:
         return tuple(out)
 
 
+class _Replica:
+    """One router replica: its index (fed by the ranks' batches), policy, load account and routing step."""
+
+    __slots__ = ("index", "policy", "account", "step")
+
+    def __init__(self, index: PrefixIndex, policy: RoutingPolicy) -> None:
+        self.index, self.policy = index, policy
+        self.account = LoadAccount()
+        self.step = RouteStep(policy, self.account)
+
+
 class _Job:
-    __slots__ = ("i", "req", "tokens", "arrival", "dispatch", "migrate_from", "blocks_total",
+    __slots__ = ("i", "req", "tokens", "arrival", "dispatch", "account", "migrate_from", "blocks_total",
                  "start", "duration", "cached", "onboarded", "migrated")
 
     def __init__(self, i: int, req: TraceRequest, tokens: list[int], arrival: float, dispatch: Dispatch,
-                 migrate_from: int | None, blocks_total: int) -> None:
+                 account: LoadAccount, migrate_from: int | None, blocks_total: int) -> None:
         self.i, self.req, self.tokens, self.arrival = i, req, tokens, arrival
-        self.dispatch, self.migrate_from, self.blocks_total = dispatch, migrate_from, blocks_total
+        self.dispatch, self.account = dispatch, account
+        self.migrate_from, self.blocks_total = migrate_from, blocks_total
         self.start = self.duration = 0.0
         self.cached = self.onboarded = self.migrated = 0
 
@@ -205,7 +250,7 @@ class _Rank:
     its FIFO queue and the prefill in progress."""
 
     __slots__ = ("rank", "books", "mgr", "pub", "transfers", "queue", "current", "blocked", "work_s", "intervals",
-                 "capacity")
+                 "capacity", "decoding")
 
     def __init__(self, rank: int, books: RankBooks) -> None:
         self.rank, self.books = rank, books
@@ -217,11 +262,18 @@ class _Rank:
         self.blocked = False
         self.work_s = 0.0
         self.intervals: list[tuple[float, float]] = []
+        self.decoding = 0
 
     @property
     def device_blocks(self) -> tuple[int, int]:
         """(used, total) device blocks, as a rank's load report gives them."""
         return self.capacity - self.mgr.stats().free_num_blocks, self.capacity
+
+    def report(self) -> ReportedQueue:
+        """Its queue as a rank's load report gives it: waiting requests and their prompt tokens, and running
+        ones (the prefill in progress and the requests decoding)."""
+        return ReportedQueue(len(self.queue), self.decoding + (self.current is not None),
+                             sum(j.dispatch.prefill_tokens for j in self.queue))
 
 
 class _BooksMover:
@@ -254,15 +306,22 @@ class Simulator:
         self.hasher = hasher if hasher is not None else RouteHasher(T)
         options = {**(config.costs.kv_policy_options(T) if policy == "kv" else {}),
                    **migration_options(policy, config.migration)}
-        self.policy: RoutingPolicy = make_policy(policy, seed=config.seed, **options)
         self.policy_name = policy
-        self.account = LoadAccount()
-        self.step = RouteStep(self.policy, self.account)
         c = config.costs
         self.prefill_s = c.prefill_s_per_token
         self.onboard_s = c.onboard_s_per_block(T)
         self.migrate_s = c.migrate_s_per_block(T)
         self.index = PrefixIndex(T)
+        """The ranks' ledgers as they are now (batches applied at once): what precision is measured against."""
+        # Fed the same batches at once, a replica's index would equal this one: it is shared then.
+        self.lagged = config.event_lag_s > 0
+        self.replicas = [_Replica(PrefixIndex(T) if self.lagged else self.index,
+                                  make_policy(policy, seed=config.seed, **options))
+                         for _ in range(config.routers)]
+        self._rng = np.random.default_rng(config.seed)
+        self._deliveries: deque[tuple[float, int, int, bytes]] = deque()
+        self._reports: dict[int, ReportedQueue] | None = None
+        self._reported_at = -math.inf
         self.ranks: list[_Rank] = []
         for r in range(config.ranks):
             cfg = CacheConfig(tokens_per_block=T, materialize=False, device="cpu",
@@ -282,6 +341,25 @@ class Simulator:
         if batch is not None:
             res = self.index.apply_bytes(rank.rank, batch.seq, batch.data)
             assert res.applied, f"rank {rank.rank} batch {batch.seq}: {res.status} {res.reason}"
+            if self.lagged:
+                self._deliveries.append((self.now + self.config.event_lag_s, rank.rank, batch.seq, batch.data))
+
+    def _deliver(self) -> None:
+        """Every batch due by now reaches every replica's index (in publishing order, as pushes arrive)."""
+        due = self._deliveries
+        while due and due[0][0] <= self.now:
+            _, r, seq, data = due.popleft()
+            for replica in self.replicas:
+                res = replica.index.apply_bytes(r, seq, data)
+                assert res.applied, f"rank {r} batch {seq} at a replica: {res.status} {res.reason}"
+
+    def _reported(self) -> dict[int, ReportedQueue] | None:
+        """The ranks' load reports of the last ``load_report_s`` tick (``None`` when reports are off)."""
+        every = self.config.load_report_s
+        if every > 0 and self.now - self._reported_at >= every:
+            self._reports = {r.rank: r.report() for r in self.ranks}
+            self._reported_at = self.now
+        return self._reports
 
     def run(self, progress: Callable[[int], None] | None = None, every: int = 250) -> PolicyRun:
         wall0 = time.perf_counter()
@@ -294,6 +372,7 @@ class Simulator:
         self._cached = np.zeros(n, dtype=np.int64)
         self._rank_of = np.zeros(n, dtype=np.int64)
         self._onboarded = self._migrated = self._migrations = 0
+        self._held_prefix = self._to_longest = 0
         heap: list[tuple[float, int, int, object]] = []
         self._heap, self._tie = heap, itertools.count()
         i = 0
@@ -316,12 +395,16 @@ class Simulator:
             self._try_start(rank)
         if progress is not None and n % every:
             progress(n % every)
+        self.now = math.inf
+        self._deliver()
         for rank in self.ranks:
-            drained = not rank.queue and rank.current is None and self.account.inflight(rank.rank) == (0, 0)
+            drained = not rank.queue and rank.current is None and all(
+                rep.account.inflight(rank.rank) == (0, 0) for rep in self.replicas)
             assert drained, f"rank {rank.rank} did not drain"
             rank.mgr.check_integrity()
             held = {b.block_hash for b in rank.mgr.snapshot()}
-            assert self.index.num_blocks(rank.rank) == len(held), f"rank {rank.rank}: the index disagrees with it"
+            for rep in self.replicas:
+                assert rep.index.num_blocks(rank.rank) == len(held), f"rank {rank.rank}: an index disagrees with it"
         return self._result(time.perf_counter() - wall0)
 
     def _route(self, i: int, req: TraceRequest) -> _Rank:
@@ -329,10 +412,21 @@ class Simulator:
         tokens = request_tokens(self.trace, req)
         hashes = self.hasher.hashes(req, tokens, self.chains[i])
         rr = RouteRequest(tuple(tokens), hashes, T, req.output_length, req.cache_salt, req.lora_id)
-        matches: dict[int, PrefixMatch] = match_prefix(self.index, hashes) if hashes else {}
+        replica = self.replicas[int(self._rng.integers(len(self.replicas)))] if len(self.replicas) > 1 \
+            else self.replicas[0]
+        if self.lagged:
+            self._deliver()
+        matches: dict[int, PrefixMatch] = match_prefix(replica.index, hashes) if hashes else {}
         now = self.now
-        decision = self.step.decide(rr, matches, [r.rank for r in self.ranks],
-                                    {r.rank: r.device_blocks for r in self.ranks}, now, record=True)
+        decision = replica.step.decide(rr, matches, [r.rank for r in self.ranks],
+                                       {r.rank: r.device_blocks for r in self.ranks}, now, record=True,
+                                       reported=self._reported())
+        truth = matches if not self.lagged else match_prefix(self.index, hashes) if hashes else {}
+        longest = max((m.matched_blocks for m in truth.values()), default=0)
+        if longest:
+            self._held_prefix += 1
+            chosen = truth.get(decision.rank)
+            self._to_longest += chosen is not None and chosen.matched_blocks == longest
         rank = self.ranks[decision.rank]
         m = matches.get(decision.rank)
         have = 0 if m is None else m.matched_blocks
@@ -340,8 +434,9 @@ class Simulator:
             have += decision.migrate_blocks
         est = req.input_length - have * T
         blocks_total = -(-(req.input_length + req.output_length) // T)
-        job = _Job(i, req, tokens, now, self.account.dispatch(decision.rank, est, blocks_total), decision.migrate_from,
-                   blocks_total)
+        account = replica.account
+        job = _Job(i, req, tokens, now, account.dispatch(decision.rank, est, blocks_total), account,
+                   decision.migrate_from, blocks_total)
         rank.queue.append(job)
         self._rank_of[i] = decision.rank
         return rank
@@ -378,7 +473,7 @@ class Simulator:
         if moved:
             duration += self.config.costs.migrate_setup_s + moved * self.migrate_s
         job.start, job.duration = self.now, duration
-        self.account.started(job.dispatch, self.now, duration)
+        job.account.started(job.dispatch, self.now, duration)
         rank.current = job
         heapq.heappush(self._heap, (self.now + duration, _PREFILL_DONE, next(self._tie), rank))
         return job
@@ -398,7 +493,8 @@ class Simulator:
     def _finish(self, job: _Job) -> _Rank:
         rank = self.ranks[int(self._rank_of[job.i])]
         rank.mgr.remove_sequence(job.i)
-        self.account.finished(job.dispatch)
+        job.account.finished(job.dispatch)
+        rank.decoding -= 1
         rank.blocked = False
         self._publish(rank)
         return rank
@@ -419,7 +515,8 @@ class Simulator:
         self._onboarded += job.onboarded
         self._migrated += job.migrated
         job.tokens = []   # the ledger keeps its own copy; free the trace's
-        self.account.prefilled(job.dispatch)
+        job.account.prefilled(job.dispatch)
+        rank.decoding += 1
         heapq.heappush(self._heap, (self.now + decode, _FINISH, next(self._tie), job))
 
     def _result(self, wall_s: float) -> PolicyRun:
@@ -447,7 +544,8 @@ class Simulator:
         return PolicyRun(self.policy_name, prompt, self._cached.copy(), prompt - self._cached, self._ttft.copy(),
                          self._e2e.copy(), self._rank_of.copy(), self._onboarded, self._migrated, self._migrations,
                          [r.work_s for r in self.ranks], series, bucket, makespan, wall_s,
-                         int(sum(r.output_length for r in reqs)))
+                         int(sum(r.output_length for r in reqs)), self.config.routers, self._held_prefix,
+                         self._to_longest)
 
 
 def migration_options(policy: str, migration: bool) -> dict[str, bool]:

@@ -27,7 +27,8 @@ import kvledger.coordinator  # noqa: E402,F401  (sets the Ray environment before
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray (127.0.0.1, no dashboard) for the whole test session, shut down at its end."""
+    """One local Ray (127.0.0.1, no dashboard, Ray's token auth on as in every kvledger cluster) for the whole
+    test session, shut down at its end."""
     import ray
 
     from kvledger.coordinator.ray_env import init_ray

@@ -18,11 +18,12 @@ def main() -> int:
     import kvledger.coordinator  # noqa: F401  (before ray: loopback-only Ray)
     from kvledger.coordinator.cluster import Cluster
     from kvledger.coordinator.config import ClusterConfig
-    from kvledger.coordinator.ray_env import ray_env_vars
+    from kvledger.coordinator.ray_env import ensure_auth_token, ray_env_vars
     from kvledger.worker.ledger import CacheConfig
     from kvledger.worker.wire.request import Request
 
     ray_env_vars()
+    ensure_auth_token()   # token auth on: every simulated node reads this machine's token, as a real one would
     node_args = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
                  "object_store_memory": 80 * 1024 * 1024}
     sim = RayCluster(initialize_head=True, head_node_args={**node_args, "num_cpus": 0})

@@ -14,6 +14,7 @@ import pytest
 from kvledger.launch.bench_cli import add_bench_parser, run_bench
 from kvledger.replay.bounds import compute_bounds, infinite_cached_tokens, pooled_lru_cached_tokens
 from kvledger.replay.config import BenchConfig
+from kvledger.replay.replicas import replica_counts
 from kvledger.replay.runner import run
 from kvledger.replay.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
 from kvledger.replay.trace import (BlockChains, SyntheticConfig, TraceRequest, expand_tokens, generate_synthetic,
@@ -184,6 +185,72 @@ def test_written_synthetic_trace_reloads_with_salts_and_loras(tmp_path):
     assert any(r.lora_id is not None for r in trace.requests)
 
 
+# --- router replicas ------------------------------------------------------------------------------------
+
+REPLICAS = dict(event_lag_s=0.005, load_report_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """kv (one index per replica, fed by the ranks' events) and cache_aware (each replica's own guess of what
+    the ranks hold, as SGLang's gateway keeps it) with 1 and 4 replicas on one trace."""
+    trace = generate_synthetic(SyntheticConfig(requests=400, block_size=TPB, seed=1))
+    bc = BlockChains(trace.block_size, TPB)
+    chains = [bc.chain(r) for r in trace.requests]
+    return {(policy, n): simulate(trace, policy, SimConfig(ranks=4, capacity_blocks=3200, tokens_per_block=TPB,
+                                                           routers=n, **REPLICAS), chains=chains)
+            for policy in ("kv", "cache_aware") for n in (1, 4)}
+
+
+def test_routing_precision_holds_with_replicas_that_share_the_event_streams(replicas):
+    one, four = replicas["kv", 1], replicas["kv", 4]
+    assert four.routers == 4 and 0 < four.held_prefix <= len(four.ttft_s)
+    assert four.routing_precision == four.to_longest / four.held_prefix
+    assert four.routing_precision >= 0.9 and four.routing_precision >= one.routing_precision - 0.05
+    hit = {n: replicas["kv", n].cached_tokens.sum() / replicas["kv", n].prompt_tokens.sum() for n in (1, 4)}
+    assert hit[4] >= 0.95 * hit[1], hit
+
+
+def test_replicas_that_only_guess_what_the_ranks_hold_lose_precision(replicas):
+    one, four = replicas["cache_aware", 1], replicas["cache_aware", 4]
+    assert four.routing_precision < one.routing_precision - 0.1, (one.routing_precision, four.routing_precision)
+    assert four.routing_precision < replicas["kv", 4].routing_precision
+
+
+def test_late_events_still_leave_every_replica_index_equal_to_the_ledgers():
+    """Batches 50 ms late at three replicas: decisions are made on stale indexes, nothing is lost, and once
+    the late batches land every replica's index holds what each ledger holds (``Simulator.run`` checks it)."""
+    trace = generate_synthetic(SyntheticConfig(requests=150, block_size=TPB, seed=2))
+    sim = SimConfig(ranks=2, capacity_blocks=1200, tokens_per_block=TPB, routers=3, event_lag_s=0.05,
+                    load_report_s=0.2)
+    run_ = simulate(trace, "kv", sim)
+    prompt = np.array([r.input_length for r in trace.requests])
+    assert (run_.cached_tokens + run_.computed_tokens == prompt).all() and (run_.ttft_s > 0).all()
+    assert run_.routers == 3 and 0 < run_.to_longest <= run_.held_prefix <= len(prompt)
+    with pytest.raises(ValueError, match="routers must be a positive int"):
+        SimConfig(routers=0)
+    with pytest.raises(ValueError, match="event_lag_s must be a finite number >= 0"):
+        SimConfig(event_lag_s=-1.0)
+
+
+def test_replica_counts_double_up_to_n():
+    assert [replica_counts(n) for n in (1, 2, 6, 8)] == [[1], [1, 2], [1, 2, 4, 6], [1, 2, 4, 8]]
+
+
+def test_cli_compares_replica_counts_against_one_router(tmp_path, capsys):
+    out = tmp_path / "replicas.json"
+    rc = run_bench(parse("--limit", "120", "--tokens-per-block", "32", "--ranks", "2", "--capacity-blocks", "400",
+                         "--policy", "kv,cache_aware", "--routers", "2", "--jobs", "1", "--quiet", "--json", str(out)))
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "router replicas" in text and "precision" in text and "x1.00" in text and "longest one" in text
+    doc = json.loads(out.read_text())["replicas"]
+    assert list(doc["runs"]) == ["1", "2"] and doc["event_lag_s"] == 0.005 and doc["load_report_s"] == 1.0
+    for n in ("1", "2"):
+        assert set(doc["runs"][n]) == {"kv", "cache_aware"}
+        assert 0 < doc["runs"][n]["kv"]["routing_precision"] <= 1
+
+
 # --- the command line ---------------------------------------------------------------------------------
 
 def test_cli_writes_json_and_png(tmp_path, capsys):
@@ -215,6 +282,7 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     (("--plot", "x.svg"), "PNG"),
     (("--capacity-blocks", "1", "--ranks", "4"), "raise --capacity-blocks"),
     (("--decode-s-per-token", "-1"), "decode_s_per_token"),
+    (("--engine", "tiny", "--routers", "2"), r"--routers 2 is measured in the simulator \(--engine sim\)"),
 ])
 def test_cli_rejects_bad_input_clearly(tmp_path, capsys, argv, message):
     rc = run_bench(parse("--limit", "20", "--quiet", "--json", str(tmp_path / "x.json"), *argv))

@@ -186,7 +186,7 @@ def test_up_help_shows_every_config_with_its_docstring_and_default(capsys, monke
     for flag in ("--kv-prefill-s-per-token", "--llm-d-prefix-weight", "--cache-aware-cache-threshold",
                  "--dynamo-overlap-score-weight", "--vllm-events TCP[,REPLAY]", "--host STR", "--port INT",
                  "--address", "--detach", "--workload {bundled}", "--no-router", "--router-seed INT",
-                 "--primary-bytes-per-rank SIZE[,SIZE...]"):
+                 "--primary-bytes-per-rank SIZE[,SIZE...]", "--routers INT"):
         assert flag in text
     for excluded in ("--cache ", "--detached", "--materialize", "--policy-options", "--router-tokens"):
         assert excluded not in text
@@ -244,6 +244,11 @@ def test_no_router_and_address_and_workload(ran):
     assert options.workload == "bundled" and not options.cluster.detached
 
 
+def test_router_replicas_are_one_flag(ran):
+    _, options = ran("--routers", "3", "--port", "9000")
+    assert options.router == RouterActorConfig(port=9000, routers=3)
+
+
 @pytest.mark.parametrize("abbrev", ["--detach", "--det"])
 def test_detach_and_its_abbreviation_hand_the_options_to_the_detached_owner(ran, abbrev):
     how, options = ran(abbrev, "--ranks", "1", "--port", "0")
@@ -262,6 +267,10 @@ def test_detach_and_its_abbreviation_hand_the_options_to_the_detached_owner(ran,
     (["--ranks", "-1"], "argument --ranks: ClusterConfig.num_ranks must be an int >= 0"),
     (["--ranks", "0"], "--ranks 0 starts no rank of its own: give the router vLLM servers (--vllm URL)"),
     (["--port", "70000"], "argument --port: port must be in 0..65535"),
+    (["--routers", "0"], "argument --routers: routers must be an int >= 1, got 0"),
+    (["--routers", "4", "--port", "65534"],
+     "argument --port/--routers: 4 routers from port 65534 would need ports past 65535"),
+    (["--no-router", "--routers", "2"], "--no-router starts no router; drop --routers"),
     (["--primary-bytes", "lots"], "argument --primary-bytes: expected a size such as 64MiB"),
     (["--dtype", "int8"], "argument --dtype: invalid choice 'int8'"),
     (["--vllm-events", "http://h:1"], "argument --vllm-events: a vLLM events endpoint is tcp://"),

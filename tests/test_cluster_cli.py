@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,9 +146,20 @@ def test_up_runs_the_bundled_workload_and_stops(home):
     assert not (home / "cluster.json").exists()
 
 
+def driver_refused(address: str, home: Path, **env: str) -> str:
+    """A Ray driver joining ``address`` with ``env`` (and ``home`` as its ``HOME``, so no token file of ours) is
+    refused: what it printed."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    code = f"import ray; ray.init(address={address!r}, logging_level=40); print('JOINED')"
+    proc = run([sys.executable, "-c", code], timeout=120, env={**clean, "HOME": str(home), **env}, cwd=home)
+    assert proc.returncode != 0 and "JOINED" not in proc.stdout, proc.stdout + proc.stderr
+    return proc.stderr
+
+
 def test_detached_cluster_status_and_down_leave_no_process(home, detached):
     # from here on the cluster may exist: the `detached` fixture runs `kvledger down` whatever happens below
-    proc = kvledger(home, "up", "--ranks", "2", "--device", "cpu", "--detach", "--port", "0", "--policy", "kv")
+    proc = kvledger(home, "up", "--ranks", "2", "--device", "cpu", "--detach", "--port", "0", "--policy", "kv",
+                    "--routers", "2")
     state = ClusterState.load()
     detached.saw(state)
     log = home / "up.log"
@@ -165,16 +177,27 @@ def test_detached_cluster_status_and_down_leave_no_process(home, detached):
     assert report["num_ranks"] == 2 and report["device"] == "cpu"
     assert [r["alive"] for r in report["ranks"]] == [True, True]
     assert {(r["device_blocks"], r["host_blocks"]) for r in report["ranks"]} == {tuple(state.block_counts)}
-    assert kvledger(home, "status", timeout=120).returncode == 0
-    # the router the state file names, through real processes and real HTTP
-    assert state.router_url and state.router_url.startswith("http://127.0.0.1:")
+    assert [(r["index"], r["url"], r["state"]) for r in report["routers"]] == [
+        (i, url, "ready") for i, url in enumerate(state.router_urls)]
+    text = kvledger(home, "status", timeout=120)
+    assert text.returncode == 0 and "2 router(s)" in text.stdout, text.stdout
+    for i, url in enumerate(state.router_urls):
+        assert f"router {i}: {url} ready" in text.stdout
+    # the routers the state file names, through real processes and real HTTP: replicas on ports of their own
+    assert len(set(state.router_urls)) == 2 and all(u.startswith("http://127.0.0.1:") for u in state.router_urls)
     prompt = "You are a terse assistant. Answer with one word only, please. Q: "
     first = kvledger(home, "route", prompt + "sky?", "--max-tokens", "2", timeout=120)
-    second = kvledger(home, "route", prompt + "grass?", "--max-tokens", "2", timeout=120)
+    second = kvledger(home, "route", prompt + "grass?", "--max-tokens", "2", "--router-index", "1", timeout=120)
     assert first.returncode == 0 and second.returncode == 0, first.stdout + second.stdout
     assert "cached 0" in first.stdout and "output:" in first.stdout
-    assert first.stdout.split()[1] == second.stdout.split()[1], "the shared prefix keeps it on one rank"
-    assert int(second.stdout.split("cached ")[1].split()[0]) >= 64
+    assert first.stdout.split()[1] == second.stdout.split()[1], "replica 1 saw replica 0's blocks: same rank"
+    predicted, cached = (int(n) for n in re.search(r"predicted cached (\d+)  cached (\d+)", second.stdout).groups())
+    assert predicted >= 64 and cached >= 64, second.stdout
+    nowhere = kvledger(home, "route", prompt, "--router-index", "2", timeout=60)
+    assert nowhere.returncode == 2 and "the running cluster has 2 router(s), 0..1" in nowhere.stdout
+    # Ray's token authentication is on: a driver without the token, or with another, is refused
+    assert "no authentication token was found" in driver_refused(state.address, home)
+    assert "token is missing or incorrect" in driver_refused(state.address, home, RAY_AUTH_TOKEN="0" * 64)
     mon = kvledger(home, "monitor", "--json", "--seconds", "1", timeout=60)
     assert mon.returncode == 0 and '"type":"BlockStored"' in mon.stdout, mon.stdout + mon.stderr
     # down itself, as checked behaviour (teardown repeats it only if this did not get as far)

@@ -12,7 +12,7 @@ HERE = Path(__file__).parent
 
 
 def test_ranks_spread_over_nodes_and_migrate_between_them():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     # its own session: on a timeout the simulated nodes' Ray processes die with it (see processes.py)
     proc = run([sys.executable, str(HERE / "multinode_check.py")], timeout=170, env=env, cwd=HERE.parent)

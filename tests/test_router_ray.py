@@ -4,9 +4,9 @@ events pushed by the ranks' publisher threads, the HTTP API and the command line
 The cluster and its router live as long as the module, so each test is independent of the others' order:
 its prompts begin with a letter of their own (``system(tag)``; the ranks reuse even part of a block, so a
 shared first byte would show as cached), it compares counters before and after instead of absolute values,
-and a test that restarts a rank waits until the router has taken it back in full. The test with a second
-router has ranks of its own: a rank pushes its events to one router at a time, and a second router attached
-to these ranks would take the first one's event stream.
+and a test that restarts a rank waits until the router has taken it back in full. The tests with a router of
+their own have ranks of their own too, so that what they inject (a vLLM engine, transport faults) stays out of
+the module's index (several routers over the same ranks: ``test_router_replicas.py``).
 """
 from __future__ import annotations
 
@@ -199,8 +199,7 @@ def test_the_router_actor_indexes_a_vllm_engine_given_on_the_command_line(ray_se
     """``kvledger up --vllm-events`` reaches the router actor as ``RouterActorConfig.vllm_events``."""
     from test_router_vllm_events import FakeVllmPublisher, vllm_stored
 
-    # Ranks of its own: attached to the module's ranks, this second router would take their pushes from the
-    # module's router (one router at a time per rank), and the two would take turns at every health round.
+    # Ranks of its own: the module's ranks would go on pushing to this router until it is found dead.
     cluster = Cluster.start(ClusterConfig(num_ranks=1, device="cpu", cache=cache(32), num_cpus_per_rank=0.5,
                                           name_prefix=f"{PREFIX}-vllm", group_timeout_s=30, call_timeout_s=TIMEOUT))
     engine = FakeVllmPublisher()

@@ -3,8 +3,8 @@
 The actor is threaded (``max_concurrency``), so a rank blocked in a ``recv``
 still serves, probes and reports (``RankBooks`` serializes the ledger). Besides
 the worker's own methods it answers where it runs, and pushes its event
-batches to a router actor. The class is built on first use, so importing this
-module needs no Ray.
+batches to every router actor attached (each replica gets every batch). The
+class is built on first use, so importing this module needs no Ray.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from functools import cache
 
 import kvledger.worker
 from kvledger.worker.rank.faults import FaultySink, TransportFaults
+from kvledger.worker.rank.pusher import ReceiverGone
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.batches import PublishedBatch
 
@@ -47,19 +48,25 @@ def rank_actor_class(worker_cls: type[RankWorker] = RankWorker) -> type:
 
         def attach_router(self, router: ray.actor.ActorHandle, interval_s: float = 0.005,
                           faults: TransportFaults | None = None) -> bool:
-            """Push this rank's event batches to ``router.ingest(rank, seq, data)``, fire-and-forget, through
-            ``faults`` when they are on (``worker.rank.faults``).
+            """Push this rank's event batches to ``router.ingest(rank, seq, data)`` too, fire-and-forget, through
+            ``faults`` when they are on (``worker.rank.faults``); the routers attached before keep theirs.
+            ``False`` when this router is attached already (a restarted one: its handle reaches the new process).
 
             At most ``MAX_PUSHES_IN_FLIGHT`` pushes stay unanswered: past that the
             publisher thread waits for the router (back-pressure, so a slow router's
-            queue of calls stays bounded), never longer than 30 s a time.
+            queue of calls stays bounded), never longer than 30 s a time. A router
+            found dead then is detached (one that restarts attaches itself again).
             """
             in_flight: list = []
 
             def sink(batch: PublishedBatch) -> None:
                 in_flight.append(router.ingest.remote(self.rank, batch.seq, batch.data))
                 if len(in_flight) > MAX_PUSHES_IN_FLIGHT:
-                    _, in_flight[:] = ray.wait(in_flight, num_returns=len(in_flight) // 2, timeout=30)
+                    done, in_flight[:] = ray.wait(in_flight, num_returns=len(in_flight) // 2, timeout=30)
+                    try:
+                        ray.get(done[-1:], timeout=30)
+                    except ray.exceptions.ActorDiedError as e:
+                        raise ReceiverGone(str(e)) from e
 
             push = FaultySink(sink, faults, self.rank) if faults is not None and faults.active else sink
             return self.start_publishing(push, interval_s, owner=router._actor_id.hex())

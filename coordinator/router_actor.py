@@ -110,8 +110,12 @@ class RouterActorConfig:
 class RouterHost:
     """The router's process: service, HTTP server, maintenance (see the module docstring)."""
 
-    def __init__(self, cluster_config: ClusterConfig, actors: list, device: str, config: RouterActorConfig) -> None:
+    def __init__(self, cluster_config: ClusterConfig, device: str, config: RouterActorConfig) -> None:
+        """The rank actors are found by name, not passed: an actor handle among a restartable actor's arguments
+        puts them in the object store, where a restart could find them gone."""
         self.config = config
+        actors = [ray.get_actor(f"{cluster_config.name_prefix}-{i}", namespace=cluster_config.namespace)
+                  for i in range(cluster_config.num_ranks)]
         self.cluster = Cluster(cluster_config, actors, device)
         self.service = RouterService(self.cluster if actors else None, config.router)
         self._self_handle = _own_handle()
@@ -226,7 +230,6 @@ def start_routers(cluster: Cluster, config: RouterActorConfig = RouterActorConfi
             port = free_port(config.host)
         ports.add(port)
         replica = dataclasses.replace(config, port=port)
-        handles.append(cls.options(name=router_name(i, name), **opts).remote(cluster.config, list(cluster.actors),
-                                                                             cluster.device, replica))
+        handles.append(cls.options(name=router_name(i, name), **opts).remote(cluster.config, cluster.device, replica))
     urls = ray.get([h.url.remote() for h in handles], timeout=timeout_s)
     return list(zip(handles, urls))

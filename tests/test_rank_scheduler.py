@@ -56,23 +56,39 @@ def serve_in_thread(w: RankWorker, r: Request, out: dict) -> threading.Thread:
     return t
 
 
+class SquattingEngine(ReferenceEngine):
+    """Once armed, takes every free block for a squatter right before its next step, as a migration's import
+    would between two steps (inside the step loop's hold of the lock: a test thread racing the loop for the lock
+    might get it only after the batch finished)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = threading.Event()
+        self.squatter: Request | None = None
+
+    def step(self, manager, batch, sampler, max_tokens=None):
+        if self.armed.is_set() and self.squatter is None:
+            self.squatter = Request(99, tokens(99, manager.stats().free_num_blocks * T))
+            manager.add_sequence(self.squatter)
+        return super().step(manager, batch, sampler, max_tokens)
+
+
 def test_blocks_taken_from_a_running_batch_preempt_the_last_admitted_which_starts_over():
     blocks = 256
     w = worker(blocks)
+    engine = w.engine = w.server.engine = w.server.scheduler.engine = SquattingEngine(w.template, seed=w.seed)
     first, second = Request(1, tokens(1, 9), 120), Request(2, tokens(2, 9), 120)
     out: dict = {}
     threads = [serve_in_thread(w, first, out)]
     until(lambda: w.load().running_requests == 1, "the first request to run")
     threads.append(serve_in_thread(w, second, out))
     until(lambda: w.load().running_requests == 2 and w.load().steps >= 2, "both to run")
-    mgr = w.manager
-    with w.books.lock:   # between two steps: a squatter (as a migration's import would) takes every free block
-        squatter = Request(99, tokens(99, mgr.stats().free_num_blocks * T))
-        mgr.add_sequence(squatter)
+    engine.armed.set()
     until(lambda: w.load().preempted_requests >= 1, "a decode step to find its blocks gone")
+    mgr = w.manager
     with w.books.lock:
         assert w.load().running_requests == 1 and w.load().queued_requests == 1, "the last admitted went back"
-        mgr.remove_sequence(squatter.request_id, store=False)
+        mgr.remove_sequence(engine.squatter.request_id, store=False)
     for t in threads:
         t.join(WAIT_S)
     assert [out[r.request_id].output_tokens for r in (first, second)] == [scratch(first, blocks),

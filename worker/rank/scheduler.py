@@ -208,6 +208,8 @@ class BatchScheduler:
                     stalled = self._step(self.books.ledger())
                 if stalled:   # with the ledger's lock let go: blocks may come back
                     time.sleep(STALL_POLL_S)
+                else:   # the lock is not fair: let a caller waiting for it (a probe, a migration) in between steps
+                    time.sleep(0)
             except RankNotReadyError as e:   # the ledger is gone: nothing queued here can be served
                 self._abort(e, queued=True)
             except BaseException as e:  # noqa: BLE001 - every caller hears of it; the loop goes on with the queue

@@ -514,7 +514,7 @@ class PrefixIndex:
             t = EVENT_CLASS[type(ev)]
             refs = feed.refs
             if t is BlockStored:
-                if ev.group_idx or feed.groups is not None or ev.kv_cache_spec_kind == "sliding_window":
+                if feed.groups is not None or is_windowed(ev.group_idx, ev.kv_cache_spec_kind):
                     if self._commit_grouped(feed, t, ev):
                         continue
                 hs = ev.block_hashes

@@ -53,7 +53,7 @@ class EvictionPolicy:
         while i < n:
             b = blocks[i]
             tier = b.tier
-            level = 0 if b.key is None else b.priority + 1
+            level = level_of(b)
             lst = lists[tier][level]
             head = lst.sentinel
             last = head.fl_prev
@@ -61,7 +61,8 @@ class EvictionPolicy:
             while j < n:
                 c = blocks[j]
                 assert c.level < 0, f"block {c.block_id} released twice"
-                if c.tier != tier or (0 if c.key is None else c.priority + 1) != level:
+                # level_of(c), inlined: this loop runs once per freed block
+                if c.tier != tier or (EMPTY_LEVEL if c.key is None else c.priority + 1) != level:
                     break
                 c.level = level
                 c.freed_at = tick

@@ -76,7 +76,9 @@ class EventPublisher:
                 return []
             if not self._replay or self._replay[0].seq > from_seq:
                 return None
-            return [b for b in self._replay if b.seq >= from_seq]
+            # the buffer holds consecutive numbers up to ``_next - 1``: the asked ones are its last, read from the
+            # end (the pusher asks for the newest one or two every few milliseconds; the buffer holds a thousand)
+            return [self._replay[i] for i in range(from_seq - self._next, 0)]
 
     def snapshot(self) -> tuple[PublishedBatch | None, Snapshot]:
         """Every block held now, after publishing what is pending (returned too, for the caller to send)."""

@@ -5,20 +5,38 @@ finds every slot taken waits in a first-come-first-served queue (each waiter
 its own event, woken in arrival order), and one that finds the queue full, or
 waits longer than ``queue_timeout_s``, is refused with ``AdmissionRefused``
 (the HTTP API answers 429 with ``Retry-After``) without anything having been
-sent. The slots keep the ranks' own queues short, so routing decides with
-fresh loads; the queue absorbs a burst without holding a thread per request
-on a rank.
+sent. A streamed answer holds its slot until its stream ends. The slots keep
+the ranks' own queues short, so routing decides with fresh loads; the queue
+absorbs a burst without holding a thread per request on a rank.
 """
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
 class AdmissionRefused(RuntimeError):
     """No slot and no room in the queue (or no slot within the queue's timeout): the request was not taken."""
+
+
+class Held:
+    """One taken slot, given back exactly once: by ``release``, or when dropped unreleased. A streamed answer
+    releases its slot when its stream ends, but a stream whose client left before it started never runs, so
+    nothing but its being dropped gives the slot back."""
+
+    __slots__ = ("_leave", "_once")
+
+    def __init__(self, leave: Callable[[], None]) -> None:
+        self._leave = leave
+        self._once = threading.Lock()
+
+    def release(self) -> None:
+        if self._once.acquire(blocking=False):
+            self._leave()
+
+    __del__ = release
 
 
 class AdmissionGate:
@@ -31,14 +49,19 @@ class AdmissionGate:
         self._queue: collections.deque[threading.Event] = collections.deque()
         self.refused = 0
 
+    def hold(self) -> Held:
+        """Take a slot (waiting in the queue for one first if need be); it is the caller's until released."""
+        self._enter()
+        return Held(self._leave)
+
     @contextmanager
     def slot(self) -> Iterator[None]:
-        """Hold a slot for the duration of the block (waiting in the queue for one first if need be)."""
-        self._enter()
+        """Hold a slot for the duration of the block."""
+        held = self.hold()
         try:
             yield
         finally:
-            self._leave()
+            held.release()
 
     def counts(self) -> tuple[int, int]:
         """Completions holding a slot, completions queued."""

@@ -40,7 +40,8 @@ class RouterConfig:
     all router replicas) at most a rank's ``max_num_seqs + max_queued_requests``, a rank's other calls never
     wait behind serve calls for one of its threads."""
     max_queued_completions: int = 1024
-    """Completions waiting for a slot, first come first served; past it the router answers 429."""
+    """Completions waiting for a slot, first come first served; past it the router answers 429 (0: at once, when
+    every slot is taken)."""
     queue_timeout_s: float = 60.0
     """How long a completion waits for a slot before the router answers 429."""
 
@@ -60,9 +61,9 @@ class RouterConfig:
             raise ValueError(f"vllm lists a server twice: {list(self.vllm)}")
         if not self.engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s!r}")
-        for name in ("max_inflight_completions", "max_queued_completions"):
-            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name, least in (("max_inflight_completions", 1), ("max_queued_completions", 0)):
+            if type(getattr(self, name)) is not int or getattr(self, name) < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {getattr(self, name)!r}")
         if not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
         self.make_policy()   # an unknown policy or option fails here, naming it

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvledger.router.admission import AdmissionGate, AdmissionRefused
+from kvledger.router.admission import AdmissionGate, AdmissionRefused, Held
 from kvledger.router.chat import render_plain
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import EventFeed
@@ -382,15 +382,26 @@ class RouterService:
                           retention=retention_for(priority), sampling=sampling)
         if name == OWN_MODEL:
             request.validate()
+        held = self._hold()
         try:
-            with self.admission.slot():
-                return self._complete(req, request, name, engine_fields, chat)
-        except (AdmissionRefused, OverloadedError) as e:
-            with self._lock:
-                self.stats.shed += 1
-            if isinstance(e, OverloadedError):
-                raise
+            return self._complete(req, request, name, engine_fields, chat)
+        except OverloadedError:
+            self._shed()
+            raise
+        finally:
+            held.release()
+
+    def _hold(self) -> Held:
+        """A completion's admission slot; ``OverloadedError`` (the request shed) when the router is full."""
+        try:
+            return self.admission.hold()
+        except AdmissionRefused as e:
+            self._shed()
             raise OverloadedError(f"{e}; retry shortly") from e
+
+    def _shed(self) -> None:
+        with self._lock:
+            self.stats.shed += 1
 
     def _complete(self, req: RouteRequest, request: Request, name: str, engine_fields: dict | None,
                   chat: bool) -> CompletionResult:
@@ -447,30 +458,36 @@ class RouterService:
         name, req = self._request(prompt_tokens, max_tokens, cache_salt, lora_id, model)
         path = CHAT_COMPLETIONS if chat else COMPLETIONS
         died: set[int] = set()
-        while True:
-            decision, _ = self._place(req, name, died, migrate=False)
-            if decision is None:
-                continue
-            rank = decision.rank
-            engine = self.ranks.engine(rank)
-            if engine is None:
-                raise ValueError(f"rank {rank} is not a vLLM server; stream its answer with complete()")
-            predicted = min(decision.matched_tokens.get(rank, 0), len(req.tokens) - 1)
-            dispatch = self._dispatch(req, rank, predicted)
-            body = {**self._engine_body(req, engine_fields, chat), "stream": True,
-                    "stream_options": {"include_usage": True}}
-            events = engine.stream(body, path)
-            try:
-                first = next(events)
-            except EngineUnreachableError as e:
-                with self._lock:
-                    self.account.finished(dispatch)
-                self._died(RankDiedError(rank, str(e)), died)
-                continue
-            return self._relay(rank, predicted, len(req.tokens), dispatch, first, events)
+        held = self._hold()
+        try:
+            while True:
+                decision, _ = self._place(req, name, died, migrate=False)
+                if decision is None:
+                    continue
+                rank = decision.rank
+                engine = self.ranks.engine(rank)
+                if engine is None:
+                    raise ValueError(f"rank {rank} is not a vLLM server; stream its answer with complete()")
+                predicted = min(decision.matched_tokens.get(rank, 0), len(req.tokens) - 1)
+                dispatch = self._dispatch(req, rank, predicted)
+                body = {**self._engine_body(req, engine_fields, chat), "stream": True,
+                        "stream_options": {"include_usage": True}}
+                events = engine.stream(body, path)
+                try:
+                    first = next(events)
+                except EngineUnreachableError as e:
+                    with self._lock:
+                        self.account.finished(dispatch)
+                    self._died(RankDiedError(rank, str(e)), died)
+                    continue
+                return self._relay(rank, predicted, len(req.tokens), dispatch, first, events, held)
+        except BaseException:
+            held.release()
+            raise
 
     def _relay(self, rank: int, predicted: int, prompt_len: int, dispatch, first: dict | str,
-               events: Iterator[dict | str]) -> Iterator[tuple[int, int, dict | str]]:
+               events: Iterator[dict | str], held: Held) -> Iterator[tuple[int, int, dict | str]]:
+        """The stream's events; its admission slot is given back when it ends (or when it is dropped unstarted)."""
         cached = 0
         try:
             for ev in itertools.chain((first,), events):
@@ -484,6 +501,7 @@ class RouterService:
         finally:
             with self._lock:
                 self.account.finished(dispatch)
+            held.release()
         self._served(rank, prompt_len, predicted, cached, 0)
 
     def _request(self, prompt_tokens: Sequence[int], max_tokens: int, cache_salt: str | None,

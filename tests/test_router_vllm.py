@@ -173,6 +173,47 @@ def test_a_streamed_completion_passes_through_chunk_by_chunk(router) -> None:
     assert usage["kvledger"]["rank"] in (1000, 1001) and "predicted_cached_tokens" in usage["kvledger"]
 
 
+def test_a_stream_holds_its_admission_slot_until_it_ends_and_one_past_the_bounds_gets_429(vllm_servers) -> None:
+    """The router's bounds count streamed answers too: with one slot and no queue, a completion (streamed or not)
+    is refused with 429 while a stream runs, and served once it has ended; a stream dropped before anyone read it
+    gives its slot back."""
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=64, num_secondary_blocks=0)
+    engine = vllm_servers[0]   # block size 32, its publisher binds: a second router subscribes to it as well
+    service = RouterService(LocalCluster.build(1, cfg),
+                            RouterConfig(tokens_per_block=T, vllm=(engine.url,), policy="kv",
+                                         max_inflight_completions=1, max_queued_completions=0))
+    server = HttpServer(make_app(service), port=0).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120.0) as client:
+            (model,) = (m for m in service.models() if m != OWN_MODEL)
+            tokens = prompt(12, 40)
+            running = service.stream(tokens, max_tokens=3, model=model)   # begun: its first event is in
+            assert service.admission.counts() == (1, 0), "a stream holds its slot while it runs"
+            body = {"prompt": tokens, "max_tokens": 3, "model": model, "stream": True, "temperature": 0,
+                    "ignore_eos": True}
+            for second in (body, {**body, "stream": False}):
+                refused = client.post("/v1/completions", json=second)
+                assert refused.status_code == 429 and "retry-after" in refused.headers, refused.text
+            assert list(running)[-1][2] == "[DONE]"
+            assert service.admission.counts() == (0, 0), "the slot is given back as the stream ends"
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+            deadline = time.monotonic() + WAIT_S
+            while service.admission.counts() != (0, 0):   # the stream's end is seen on the server's thread
+                assert time.monotonic() < deadline, f"the slot is still held: {service.admission.counts()}"
+                time.sleep(0.01)
+            dropped = service.stream(tokens, max_tokens=2, model=model)
+            assert service.admission.counts() == (1, 0)
+            del dropped
+            assert service.admission.counts() == (0, 0), "a stream dropped unread gives its slot back"
+            assert service.stats.shed == 2
+    finally:
+        server.stop()
+        service.close()
+
+
 def test_an_engine_killed_under_load_loses_no_request_and_rejoins_after_restart(router, vllm_servers) -> None:
     service, client = router
     model = service.ranks.engine(1000).info.model

@@ -147,20 +147,28 @@ def our_wire(ops: list[Op], per_batch: int, token_ids: bool = True) -> list[tupl
     return out
 
 
+def _rates(n: int, runs: list[Callable[[], object]], repeats: int = REPEATS) -> list[float]:
+    """Events per second of each of ``runs``, the best of ``repeats``; the runs take turns, repeat by repeat, so
+    side by side they share the noise of this shared box (its best run is its least disturbed one)."""
+    best = [float("inf")] * len(runs)
+    for r in range(repeats):
+        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            gc.collect()
+            t0 = time.perf_counter()
+            runs[i]()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return [n / b for b in best]
+
+
 def _rate(n: int, run: Callable[[], object], repeats: int = REPEATS) -> float:
-    """Events per second of ``run()``, the best of ``repeats`` (on a shared box the best run is the least disturbed)."""
-    best = float("inf")
-    for _ in range(repeats):
-        gc.collect()
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return n / best
+    return _rates(n, [run], repeats)[0]
 
 
-def run_ours(ops: list[Op], per_batch: int, token_ids: bool = True, repeats: int = REPEATS,
-             strict: bool = False) -> tuple[float, PrefixIndex]:
-    """Events/s of decode + apply (``apply_bytes``; ``strict``: ``decode_batch`` + ``apply``), and the index."""
+def our_applier(ops: list[Op], per_batch: int, token_ids: bool = True,
+                strict: bool = False) -> tuple[Callable[[], None], list[PrefixIndex]]:
+    """A run of decode + apply (``apply_bytes``; ``strict``: ``decode_batch`` + ``apply``) building a fresh index
+    from the stream, and the list that holds the index it built last."""
     wire = our_wire(ops, per_batch, token_ids)
     built: list[PrefixIndex] = []
 
@@ -175,7 +183,14 @@ def run_ours(ops: list[Op], per_batch: int, token_ids: bool = True, repeats: int
         assert index.stats.batches_applied == len(wire), index.stats
         built[:] = [index]
 
-    return _rate(len(ops), decode_and_apply, repeats), built[0]
+    return decode_and_apply, built
+
+
+def run_ours(ops: list[Op], per_batch: int, token_ids: bool = True, repeats: int = REPEATS,
+             strict: bool = False) -> tuple[float, PrefixIndex]:
+    """Events/s of ``our_applier``'s run, and the index."""
+    run, built = our_applier(ops, per_batch, token_ids, strict)
+    return _rate(len(ops), run, repeats), built[0]
 
 
 def run_ours_parts(ops: list[Op]) -> tuple[float, float]:
@@ -205,10 +220,9 @@ def dynamo_payloads(ops: list[Op]) -> list[tuple[int, bytes]]:
     return out
 
 
-def run_dynamo(ops: list[Op]) -> tuple[float, float, object]:
-    """(events/s on pre-encoded JSON, events/s through the adapter, the first tree)."""
+def dynamo_applier(ops: list[Op]) -> tuple[Callable[[], None], list]:
+    """A run applying the pre-encoded JSON to a fresh ``RadixTree``, and the list of the trees it built."""
     import dynamo._core as core
-    from dynamo_radix import DynamoIndex
 
     payloads = dynamo_payloads(ops)
     trees: list = []
@@ -218,9 +232,14 @@ def run_dynamo(ops: list[Op]) -> tuple[float, float, object]:
         apply = tree.apply_event
         for worker, data in payloads:
             apply(worker, data)
-        trees.append(tree)
+        trees[:] = [tree]
 
-    raw = _rate(len(ops), apply_all)
+    return apply_all, trees
+
+
+def dynamo_adapter_rate(ops: list[Op]) -> float:
+    """Events/s through the peer adapter (its ``json.dumps`` included), one run."""
+    from dynamo_radix import DynamoIndex
 
     def through_adapter() -> None:
         adapter = DynamoIndex()
@@ -230,31 +249,37 @@ def run_dynamo(ops: list[Op]) -> tuple[float, float, object]:
             else:
                 adapter.removed(op.rank, op.hashes)
 
-    return raw, _rate(len(ops), through_adapter, 1), trees[-1]
+    return _rate(len(ops), through_adapter, 1)
 
 
-def latencies(fn: Callable[[list[int]], object], queries: list[list[int]]) -> tuple[float, float]:
-    """p50 and p99 of one call in microseconds, from the least disturbed of REPEATS passes over ``queries``
-    (a call preempted by another process on this shared box costs a scheduler tick, ~4 ms)."""
-    for q in queries[:20]:
-        fn(q)
+def latencies(sides: list[tuple[Callable[[list[int]], object], list[list[int]]]]) -> list[tuple[float, float]]:
+    """p50 and p99 of one call in microseconds for each ``(fn, queries)`` side, from its least disturbed of
+    REPEATS passes (a call preempted by another process on this shared box costs a scheduler tick, ~4 ms). The
+    sides take turns query by query, so side by side they share the noise."""
+    for fn, queries in sides:
+        for q in queries[:20]:
+            fn(q)
     clock = time.perf_counter_ns
-    best = (float("inf"), float("inf"))
+    best = [(float("inf"), float("inf"))] * len(sides)
     for _ in range(REPEATS):
         gc.collect()
         gc.disable()
+        ts: list[list[int]] = [[] for _ in sides]
         try:
-            ts = []
-            for q in queries:
-                t0 = clock()
-                fn(q)
-                ts.append(clock() - t0)
+            for j in range(len(sides[0][1])):
+                for i in (range(len(sides)) if j % 2 == 0 else reversed(range(len(sides)))):
+                    fn, queries = sides[i]
+                    q = queries[j]
+                    t0 = clock()
+                    fn(q)
+                    ts[i].append(clock() - t0)
         finally:
             gc.enable()
-        ts.sort()
-        p50, p99 = statistics.median(ts) / 1e3, ts[min(len(ts) - 1, int(len(ts) * 0.99))] / 1e3
-        best = min(best, (p99, p50))
-    return best[1], best[0]
+        for i, t in enumerate(ts):
+            t.sort()
+            p50, p99 = statistics.median(t) / 1e3, t[min(len(t) - 1, int(len(t) * 0.99))] / 1e3
+            best[i] = min(best[i], (p99, p50))
+    return [(p50, p99) for p99, p50 in best]
 
 
 def _dynamo_scores(tree, thashes: list[int]) -> dict[int, int]:
@@ -273,13 +298,24 @@ def bench(ranks: int, events: int, queries: int, seed: int, peer_ok: bool) -> No
     removals = sum(not op.store for op in ops)
     print(f"\n== {ranks} ranks: {len(ops)} events ({removals} removals), {CHUNK} blocks each ==")
 
-    ours, index = run_ours(ops, 16)
+    our_run, built = our_applier(ops, 16)
+    if peer_ok:   # side by side: the two sides' runs and probes take turns
+        dynamo_run, trees = dynamo_applier(ops)
+        ours, d_raw = _rates(len(ops), [our_run, dynamo_run])
+    else:
+        (ours,) = _rates(len(ops), [our_run])
+    index = built[0]
     strict, _ = run_ours(ops, 16, repeats=1, strict=True)
     single, _ = run_ours(ops, 1, repeats=1)
     bare, _ = run_ours(ops, 16, token_ids=False, repeats=1)
     decode_only, apply_only = run_ours_parts(ops)
     qdocs = [rng.choices(range(DOCS), [1.0 / (k + 1) for k in range(DOCS)])[0] for _ in range(queries)]
-    p50, p99 = latencies(lambda hs: match_prefix(index, hs), [corpus.hashes[d][:QUERY_BLOCKS] for d in qdocs])
+    sides = [(lambda hs: match_prefix(index, hs), [corpus.hashes[d][:QUERY_BLOCKS] for d in qdocs])]
+    if peer_ok:
+        tree = trees[0]
+        sides.append((lambda ts: tree.find_matches(ts).scores, [corpus.tokens_hashes[d][:QUERY_BLOCKS] for d in qdocs]))
+    found = latencies(sides)
+    p50, p99 = found[0]
     print(f"ours    apply: {ours:>9,.0f} events/s  (apply_bytes: msgpack decode_view + apply, 16 events/batch; "
           f"{single:,.0f} at 1/batch)")
     print(f"          decode_batch + apply (every token id decoded and checked) {strict:,.0f}/s; decode_batch "
@@ -289,11 +325,9 @@ def bench(ranks: int, events: int, queries: int, seed: int, peer_ok: bool) -> No
           f"({index.num_blocks()} hashes indexed)")
     if not peer_ok:
         return
-    d_raw, d_adapter, tree = run_dynamo(ops)
-    d50, d99 = latencies(lambda ts: tree.find_matches(ts).scores,
-                         [corpus.tokens_hashes[d][:QUERY_BLOCKS] for d in qdocs])
-    print(f"dynamo  apply: {d_raw:>9,.0f} events/s  (JSON parse + apply, encoded up front; {d_adapter:,.0f} "
-          f"through the adapter, json.dumps included)")
+    d50, d99 = found[1]
+    print(f"dynamo  apply: {d_raw:>9,.0f} events/s  (JSON parse + apply, encoded up front; "
+          f"{dynamo_adapter_rate(ops):,.0f} through the adapter, json.dumps included)")
     print(f"dynamo  find-matches ({QUERY_BLOCKS} blocks): p50 {d50:7.1f} us  p99 {d99:7.1f} us")
     print(f"goal  events applied, decode included, ours/dynamo: {_verdict(ours / d_raw, GOAL_APPLY, True)}; "
           f"decode_batch + apply {strict / d_raw:.2f}, index alone {apply_only / d_raw:.2f}")
@@ -383,7 +417,7 @@ def scale_point(side: str, blocks: int, ranks: int, queries: int, seed: int) -> 
         del wire
         after = _rss()
         distinct = index.num_blocks()
-        p50, p99 = latencies(lambda hs: match_prefix(index, hs), qs)
+        ((p50, p99),) = latencies([(lambda hs: match_prefix(index, hs), qs)])
     else:
         import dynamo._core as core
         payloads = dynamo_payloads(ops)
@@ -398,7 +432,7 @@ def scale_point(side: str, blocks: int, ranks: int, queries: int, seed: int) -> 
         took = time.perf_counter() - t0
         del payloads
         after = _rss()
-        p50, p99 = latencies(lambda ts: tree.find_matches(ts).scores, qs)
+        ((p50, p99),) = latencies([(lambda ts: tree.find_matches(ts).scores, qs)])
     return ScalePoint(side, distinct, ranks, holdings, n_events / took, p50, p99, (after - before) / distinct)
 
 

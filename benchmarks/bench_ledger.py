@@ -6,7 +6,9 @@ on and drained (``take_events``) inside every timed region. Operations:
 1. allocate + store: admit a prompt that matches nothing, store its full blocks.
 2. lookup + reuse: admit a prompt whose full blocks are all cached (and free),
    reuse them, allocate the trailing partial block, store (nothing new).
-3. free: finish a request and release its blocks (ours also re-walks its stored blocks).
+3. free: finish a request: release its blocks and drop its state (ours: the
+   ledger's sequence; vLLM: its ``Request``, which its scheduler deletes as it
+   frees the blocks). Ours also re-walks its stored blocks.
 4. allocation under eviction, no offload: admit a new prompt into a pool full
    of cached, unreferenced blocks, so nearly every block is an eviction.
 5. allocation under eviction with offload: as 4, but our ledger moves each
@@ -317,9 +319,10 @@ def run_alloc_lookup_free(sides: list, prompts: list[list[int]],
             handles[side.name].append(h)
     for i in range(len(prompts)):
         for side in _interleaved(sides, i):
-            h = handles[side.name][i]
+            live = handles[side.name]
             with watches[side.name]["free"]:
-                side.free(h)
+                side.free(live[i])
+                live[i] = None  # finishing a request drops its state with its blocks (vLLM's scheduler too)
     handles = {s.name: [] for s in sides}
     for i, p in enumerate(prompts):
         for side in _interleaved(sides, i):
@@ -494,6 +497,8 @@ def print_table(sizes: BenchSizes, samples: dict[str, dict[str, list[Sample]]], 
     print("vLLM: Request creation with its sha256 block hashes is inside the timed region of rows 1, 2, 4, 5")
     print("per block = per block of the prompt (full blocks + the partial one) admitted, or freed in rows 3 and 8 "
           f"(rows 6-8: a position's block in each of the two windows; sliding window {WINDOW} tokens)")
+    print("rows 3, 8: the finished request's state is dropped inside the timed region on both sides "
+          "(ours: the ledger's sequence; vLLM: its Request with its token ids and block hashes)")
     print("rows 4-5: blocks evicted (device tier) per block allocated: "
           + "; ".join(f"{op} " + ", ".join(f"{k} {v:.1%}" for k, v in d.items()) for op, d in ev.items()))
     if "evict_offload" in ratios:

@@ -6,7 +6,9 @@
     tensor of the same bytes, in the same run. Goal: "with the books" (the whole
     admission: allocation, tree, events and copies) >= 0.8 of it; the ratio of
     the tier copies alone (the pools' ``flush``, where planned copies run) is
-    printed beside it.
+    printed beside it, and the books' own time (with the books minus the tier
+    copy) per block the admission takes. Each ledger run is timed next to its
+    plain copies, so that a pair shares the machine's state.
 (b) Migration of N blocks from rank 0 to rank 1 (two rank actors on a local
     Ray, gloo on CPUs, NCCL on GPUs): ``Migrator.migrate`` end to end (one call
     per side launched together: the pin, the negotiation, the allocation, the
@@ -103,7 +105,8 @@ class _TimedFlush:
 
 
 def tier_seconds(n: int, device: str) -> dict[str, float]:
-    """Offload and onboard of ``n`` blocks through the ledger: copy time, ledger (books + copies) time, copies."""
+    """Offload and onboard of ``n`` blocks through the ledger: copy time, ledger (books + copies) time, copies, and
+    the blocks each admission takes (new, onboarded)."""
     mgr = KVCacheManager(cache_config(device, primary=2 * n + 2, secondary=n + 1))
     mgr.pools.primary.fill_(1.0)  # touch every page before timing
     mgr.pools.secondary.fill_(1.0)
@@ -121,7 +124,7 @@ def tier_seconds(n: int, device: str) -> dict[str, float]:
     mgr.add_sequence(Request(2, filler, retention=cheap))  # needs every device block: offloads the n stored ones
     _sync(dev)
     out = {"offload_ledger": time.perf_counter() - t0, "offload_copy": timer.seconds,
-           "offload_copies": mgr.pools.copies_issued - c0}
+           "offload_copies": mgr.pools.copies_issued - c0, "offload_blocks": 2 * n + 2, "onboard_blocks": n + 1}
     assert mgr.stats().offloaded_blocks == n, mgr.stats()
     mgr.remove_sequence(2)  # its blocks (priority 0) are dropped, not offloaded, when evicted
     timer.seconds, c0 = 0.0, mgr.pools.copies_issued
@@ -143,16 +146,23 @@ def bench_tiers(blocks: list[int], reps: int, device: str) -> None:
     print(f"(a) tier copies through the ledger, {bpb // 1024} KiB blocks, device {dev}, median of {reps}")
     for n in blocks:
         nbytes = n * bpb
-        runs = [tier_seconds(n, device) for _ in range(reps)]
-        base = {"offload": [plain_copy_seconds(nbytes, dev, to_host=True) for _ in range(reps)],
-                "onboard": [plain_copy_seconds(nbytes, dev, to_host=False) for _ in range(reps)]}
+        runs: list[dict[str, float]] = []
+        base: dict[str, list[float]] = {"offload": [], "onboard": []}
+        for _ in range(reps):   # each ledger run beside its plain copies: the pair sees the machine in one state
+            runs.append(tier_seconds(n, device))
+            base["offload"].append(plain_copy_seconds(nbytes, dev, to_host=True))
+            base["onboard"].append(plain_copy_seconds(nbytes, dev, to_host=False))
         for name in ("offload", "onboard"):
             base_gbs = nbytes / statistics.median(base[name]) / 1e9
-            copy_gbs = nbytes / statistics.median(r[f"{name}_copy"] for r in runs) / 1e9
-            ledger_gbs = nbytes / statistics.median(r[f"{name}_ledger"] for r in runs) / 1e9
+            copy_s = statistics.median(r[f"{name}_copy"] for r in runs)
+            ledger_s = statistics.median(r[f"{name}_ledger"] for r in runs)
+            copy_gbs, ledger_gbs = nbytes / copy_s / 1e9, nbytes / ledger_s / 1e9
             print(f"  {name} {n:>4} blocks ({nbytes / 2**20:5.1f} MiB): tier copy {copy_gbs:6.2f} GB/s "
                   f"({runs[0][f'{name}_copies']} slice copies), with the books {ledger_gbs:6.2f} GB/s; "
                   f"plain copy_ {base_gbs:6.2f} GB/s; ratio {copy_gbs / base_gbs:.2f}")
+            admitted = runs[0][f"{name}_blocks"]
+            print(f"  books {name} {n:>4} blocks: {(ledger_s - copy_s) * 1e3:.2f} ms besides the tier copy, "
+                  f"{(ledger_s - copy_s) * 1e6 / admitted:.2f} us per block of the admission ({admitted} blocks)")
             print(f"  goal  {name} {n:>4} blocks, tier copy with the books / plain copy_: "
                   f"{_verdict(ledger_gbs / base_gbs)}")
 

@@ -112,9 +112,7 @@ class Admitter:
         copy_sources: list[Block] = []
         for p in plans:
             for w in self._windows:
-                ref = w.pool.ref
-                for b in p.match.held(w.index):
-                    ref(b)
+                w.pool.ref_n(p.match.held(w.index))
             part = p.match.partial
             if part is not None:
                 pool.ref(part)
@@ -153,7 +151,7 @@ class Admitter:
             prepop = len(m.full) * T + m.partial_len
             adm = Admission(prepopulated_tokens=prepop, reused_blocks=len(m.full), partial_tokens=m.partial_len,
                             copied_blocks=copied, onboarded_blocks=n_onboarded, allocated_blocks=p.new_blocks)
-            seq = Sequence(request=r, blocks=blocks, num_tokens=p.end, admission=adm, tokens=list(r.tokens),
+            seq = Sequence(request=r, blocks=blocks, num_tokens=p.end, admission=adm, tokens=r.tokens,
                            keys=m.keys[:len(r.tokens) // T] if m.keys else [],
                            hashes=[] if self._windowed else [b.block_hash for b in m.full], stored=len(m.full),
                            chunk_start=prepop, windows=windows, sliding=tuple(w.size for w in self._windows),

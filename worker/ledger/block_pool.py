@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from operator import attrgetter
 
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY, TIER_MEDIUM, Block
 from kvledger.worker.ledger.config import CacheConfig
@@ -24,8 +25,10 @@ from kvledger.worker.ledger.event_buffer import EventBuffer
 from kvledger.worker.ledger.eviction import EvictionPolicy
 from kvledger.worker.ledger.kv_pool import TieredPools
 from kvledger.worker.ledger.prefix_tree import PrefixTree
-from kvledger.worker.wire.events import AllBlocksCleared, BlockRemoved, BlockUpdated
+from kvledger.worker.wire.events import AllBlocksCleared, BlockRemoved, BlockUpdated, KVEvent
 from kvledger.worker.wire.request import DEFAULT_PRIORITY
+
+_priority = attrgetter("priority")
 
 
 class BlockPool:
@@ -75,6 +78,15 @@ class BlockPool:
             b.expires_at = None   # in use again: its countdown stops (it starts anew at the next release)
         b.ref_count += 1
 
+    def ref_n(self, blocks: list[Block]) -> None:
+        """``ref`` each block, in one loop (an admission holds its whole match)."""
+        claim = self.eviction.claim
+        for b in blocks:
+            if b.ref_count == 0 and b.level >= 0:
+                claim(b)
+                b.expires_at = None
+            b.ref_count += 1
+
     def unref(self, b: Block) -> None:
         """Drop one reference; an unstored block is wiped as it becomes free."""
         assert b.ref_count > 0, f"block {b.block_id} released more often than held"
@@ -87,22 +99,14 @@ class BlockPool:
             self.eviction.release(b)
 
     def release(self, blocks: list[Block]) -> None:
-        """Drop one reference of each block, tail first, so a prefix outlives its suffix in the LRU order."""
-        freed: list[Block] = []
-        append = freed.append
-        for b in reversed(blocks):
-            rc = b.ref_count - 1
-            assert rc >= 0, f"block {b.block_id} released more often than held"
-            b.ref_count = rc
-            if not rc:
-                if b.node is None:
-                    self._wipe(b)
-                append(b)
+        """Drop one reference of each block (placeholders hold none), tail first, so a prefix outlives its suffix in
+        the LRU order."""
+        for b in self.eviction.unref_n(blocks):
+            self._wipe(b)
         if self.timed:
-            for b in freed:
-                if b.duration_s is not None and b.node is not None:
+            for b in blocks:
+                if not b.ref_count and b.duration_s is not None and b.node is not None:
                     self._start_countdown(b)
-        self.eviction.release_n(freed)
 
     def _start_countdown(self, b: Block) -> None:
         b.expires_at = self.clock() + b.duration_s
@@ -113,22 +117,76 @@ class BlockPool:
         return self.take_free_n(1, count_alloc)[0]
 
     def take_free_n(self, n: int, count_alloc: bool) -> list[Block]:
-        """``n`` clean primary blocks, taken one after another as ``take_free`` takes one (the same victims, moves
-        and events), in one loop: allocation is the ledger's hottest path."""
-        take, clean = self.eviction.take, self._clean
-        out: list[Block] = []
-        append = out.append
-        new = 0
-        for _ in range(n):
-            b = take(PRIMARY)
-            assert b is not None, "capacity was checked before allocating"
-            if b.key is None:
-                new += 1
-            append(b if b.node is None else clean(b))
+        """``n`` clean primary blocks, the same victims, moves and events as ``n`` calls of ``take_free``, booked in
+        one pass: allocation is the ledger's hottest path."""
+        out = self.eviction.take_n(PRIMARY, n)
+        stored = [i for i, b in enumerate(out) if b.node is not None]
         if count_alloc:
             self.alloc_total += n
-            self.alloc_new += new
+            self.alloc_new += n - len(stored)   # a block has a key exactly while it is in the tree
+        if stored:
+            self._clean_n(out, stored)
         return out
+
+    def _clean_n(self, out: list[Block], stored: list[int]) -> None:
+        """Put a clean primary block at each position ``stored`` of ``out`` (claimed victims), as ``_clean`` does one
+        victim after another: the victims earning it move to the host tier in one run, the others are dropped.
+
+        The host slots are the next ones ``take`` would claim there unless a victim moved before could come back
+        as a later one's slot (the host tier has too few free blocks, or the victims' priorities are below those
+        of its free blocks): then victim by victim.
+        """
+        evict = self.eviction
+        min_priority = self.config.offload_min_priority
+        movers = [b for i in stored if (b := out[i]).priority >= min_priority] if evict.num_free(SECONDARY) else []
+        k = len(movers)
+        if k > 1 and not 0 <= evict.level_at(SECONDARY, k) <= min(map(_priority, movers[:-1])) + 1:
+            for i in stored:
+                out[i] = self._clean(out[i])
+            return
+        hosts = iter(evict.take_n(SECONDARY, k))
+        victims = [out[i] for i in stored]
+        dsts = [next(hosts) if k and b.priority >= min_priority else None for b in victims]
+        self._move_n(victims, dsts, SECONDARY)
+        for i, d in zip(stored, dsts):
+            if d is not None:   # else the victim was dropped: it stays, clean
+                out[i] = d
+        if k:
+            evict.release_each(movers)
+            self.offloaded += k
+
+    def _move_n(self, blocks: list[Block], dsts: list[Block | None], to: int) -> None:
+        """Book a run of tier moves in order, as ``_offload``/``_swap_in`` and ``forget`` book one: each of
+        ``blocks`` swaps into tier ``to`` with its block of ``dsts`` there (clean, or stored and dropped first), or
+        is dropped where that is ``None``. The events go out in order, the copies are planned together, nothing
+        is released."""
+        window, frm = self.window, SECONDARY if to == PRIMARY else PRIMARY
+        old, new = TIER_MEDIUM[frm], TIER_MEDIUM[to]
+        events: list[KVEvent] = []
+        put = events.append
+        gone: list[Block] = []
+        srcs: list[int] = []
+        to_slots: list[int] = []
+        for b, d in zip(blocks, dsts):
+            if d is None:
+                put(BlockRemoved([b.block_hash], old, window))
+                gone.append(b)
+                continue
+            if d.node is not None:
+                put(BlockRemoved([d.block_hash], new, window))
+                gone.append(d)
+            srcs.append(b.slot)
+            to_slots.append(d.slot)
+            b.slot, d.slot = d.slot, b.slot
+            b.tier, d.tier = to, frm
+            if b.block_hash is not None:
+                put(BlockUpdated(block_hash=b.block_hash, old_medium=old, new_medium=new, group_idx=window))
+        self.tree.detach_n(gone)
+        wipe = self._wipe
+        for b in gone:
+            wipe(b)
+        self.events.put_n(events)
+        self.pools.plan_n(frm, srcs, to, to_slots)
 
     def _clean(self, b: Block) -> Block:
         """A clean primary block in place of claimed stored victim ``b``: offloaded when its priority earns that and
@@ -155,22 +213,32 @@ class BlockPool:
         return dest
 
     def onboard_n(self, blocks: list[Block]) -> None:
-        """Bring claimed host-tier blocks back to the device before use, in order; each keeps its id and node."""
+        """Bring claimed host-tier blocks back to the device before use, in order; each keeps its id and node.
+
+        The device slots are the next victims whatever happens on the host tier (onboarding frees host slots only).
+        Unless a victim earns a move to the host tier, where it could take the slot an earlier onboard vacated
+        (then block by block), the victims are dropped and the copies, events and host releases booked in one pass.
+        """
         evict = self.eviction
-        take, release, clean, plan, put = evict.take, evict.release, self._clean, self.pools.plan, self.events.put
-        window = self.window
-        for b in blocks:
-            dst = take(PRIMARY)
-            assert dst is not None, "capacity was checked before onboarding"
-            if dst.node is not None:
-                dst = clean(dst)
-            plan(SECONDARY, b.slot, PRIMARY, dst.slot)
-            b.slot, dst.slot = dst.slot, b.slot
-            b.tier, dst.tier = PRIMARY, SECONDARY
-            release(dst)
-            if b.block_hash is not None:
-                put(BlockUpdated(block_hash=b.block_hash, old_medium="CPU", new_medium="GPU", group_idx=window))
+        dsts = evict.take_n(PRIMARY, len(blocks))
+        min_priority = self.config.offload_min_priority
+        if any(d.node is not None and d.priority >= min_priority for d in dsts):
+            for b, d in zip(blocks, dsts):
+                self._swap_in(b, d if d.node is None else self._clean(d))
+        else:
+            self._move_n(blocks, dsts, PRIMARY)
+            evict.release_each(dsts)
         self.onboarded += len(blocks)
+
+    def _swap_in(self, b: Block, dst: Block) -> None:
+        """Onboard host block ``b`` into clean primary block ``dst``'s slot; ``dst`` takes ``b``'s host slot, free."""
+        self.pools.plan(SECONDARY, b.slot, PRIMARY, dst.slot)
+        b.slot, dst.slot = dst.slot, b.slot
+        b.tier, dst.tier = PRIMARY, SECONDARY
+        self.eviction.release(dst)
+        if b.block_hash is not None:
+            self.events.put(BlockUpdated(block_hash=b.block_hash, old_medium="CPU", new_medium="GPU",
+                                         group_idx=self.window))
 
     def forget(self, b: Block) -> None:
         """Take a stored block out of the tree and announce it gone from its tier."""

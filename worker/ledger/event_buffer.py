@@ -20,6 +20,13 @@ class EventBuffer:
             self.dropped += 1
         self._events.append(event)
 
+    def put_n(self, events: list[KVEvent]) -> None:
+        """``put`` each event in order."""
+        over = len(self._events) + len(events) - self._events.maxlen
+        if over > 0:
+            self.dropped += over
+        self._events.extend(events)
+
     def take(self) -> list[KVEvent]:
         out = list(self._events)
         self._events.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvledger.worker.ledger.block import Block
+from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, Block
 from kvledger.worker.ledger.free_list import FreeList
 from kvledger.worker.wire.request import MAX_PRIORITY
 
@@ -44,40 +44,57 @@ class EvictionPolicy:
         self._mask[block.tier] |= 1 << level
         self._free[block.tier] += 1
 
-    def release_n(self, blocks: list[Block]) -> None:
-        """``release`` each block in order, in one pass: each run of one tier and level is stamped and linked onto
-        the tail of its free list as it is walked (freeing a sequence is a hot path)."""
-        i, n = 0, len(blocks)
-        tick = self._tick
-        lists, mask, free = self._lists, self._mask, self._free
-        while i < n:
-            b = blocks[i]
-            tier = b.tier
-            level = level_of(b)
-            lst = lists[tier][level]
-            head = lst.sentinel
-            last = head.fl_prev
-            j = i
-            while j < n:
-                c = blocks[j]
-                assert c.level < 0, f"block {c.block_id} released twice"
-                # level_of(c), inlined: this loop runs once per freed block
-                if c.tier != tier or (EMPTY_LEVEL if c.key is None else c.priority + 1) != level:
-                    break
-                c.level = level
-                c.freed_at = tick
-                tick += 1
-                c.fl_prev = last
-                last.fl_next = c
-                last = c
-                j += 1
-            last.fl_next = head
-            head.fl_prev = last
-            lst.size += j - i
-            mask[tier] |= 1 << level
-            free[tier] += j - i
-            i = j
+    def unref_n(self, blocks: list[Block]) -> list[Block]:
+        """Drop one reference of each held block (placeholders hold none), the last first (so a prefix outlives its
+        suffix in the LRU order), and ``release`` each block no longer held, in one pass: freeing a sequence is a
+        hot path, so each run of one level is linked onto the tail of its free list as it is walked. Held blocks
+        are on the device tier (the engine reads them there; the integrity check's walk proves it). Returns the
+        freed blocks with no reusable content, for the caller to wipe."""
+        empties: list[Block] = []
+        tick = start = self._tick
+        lists = self._lists[PRIMARY]
+        empty = EMPTY_LEVEL
+        level = -1
+        last = None
+        for b in reversed(blocks):
+            rc = b.ref_count
+            if rc != 1:
+                if b is PLACEHOLDER:  # a sliding window's position whose block slid out: it holds nothing
+                    continue
+                assert rc > 1, f"block {b.block_id} released more often than held"
+                b.ref_count = rc - 1
+                continue
+            b.ref_count = 0
+            key = b.key
+            lv = empty if key is None else b.priority + 1  # level_of(b), inlined: once per freed block
+            if lv != level:
+                if tick > start:
+                    self._close_run(level, last, tick - start)
+                level, start = lv, tick
+                last = lists[level].sentinel.fl_prev
+            if key is None:
+                empties.append(b)
+            b.level = lv
+            b.freed_at = tick   # stamps count freed blocks only, so a run's length is its stamps' span
+            tick += 1
+            b.fl_prev = last
+            last.fl_next = b
+            last = b
+        if tick > start:
+            self._close_run(level, last, tick - start)
         self._tick = tick
+        return empties
+
+    def _close_run(self, level: int, last: Block, run: int) -> None:
+        """Finish ``unref_n``'s run of ``run`` device blocks linked after the tail of a free list: ``last`` is the new
+        tail."""
+        lst = self._lists[PRIMARY][level]
+        head = lst.sentinel
+        last.fl_next = head
+        head.fl_prev = last
+        lst.size += run
+        self._mask[PRIMARY] |= 1 << level
+        self._free[PRIMARY] += run
 
     def claim(self, block: Block) -> None:
         """Take a free block out of its list (it is being used or moved)."""
@@ -103,6 +120,61 @@ class EvictionPolicy:
         b.level = -1
         self._free[tier] -= 1
         return b
+
+    def take_n(self, tier: int, n: int) -> list[Block]:
+        """The ``n`` blocks that ``n`` calls of ``take`` would claim, in that order, unlinked a level's run at a time
+        (at least ``n`` are free)."""
+        assert n <= self._free[tier], f"{n} blocks taken of {self._free[tier]} free"
+        out: list[Block] = []
+        mask, lists = self._mask[tier], self._lists[tier]
+        left = n
+        while left:
+            level = (mask & -mask).bit_length() - 1
+            lst = lists[level]
+            head = lst.sentinel
+            m = min(left, lst.size)
+            b = head.fl_next
+            for _ in range(m):
+                nxt = b.fl_next
+                b.fl_prev = b.fl_next = None
+                b.level = -1
+                out.append(b)
+                b = nxt
+            head.fl_next = b
+            b.fl_prev = head
+            lst.size -= m
+            if not lst.size:
+                mask &= ~(1 << level)
+            left -= m
+        self._mask[tier] = mask
+        self._free[tier] -= n
+        return out
+
+    def level_at(self, tier: int, k: int) -> int:
+        """The level of the ``k``-th block (from 1) that ``take`` would claim of ``tier``; -1 when fewer are free."""
+        mask, lists = self._mask[tier], self._lists[tier]
+        while mask:
+            level = (mask & -mask).bit_length() - 1
+            k -= lists[level].size
+            if k <= 0:
+                return level
+            mask &= mask - 1
+        return -1
+
+    def release_each(self, blocks: list[Block]) -> None:
+        """``release`` each block in order, in one loop (victims moved to the host tier together)."""
+        lists, mask, free = self._lists, self._mask, self._free
+        tick = self._tick
+        for b in blocks:
+            assert b.level < 0, f"block {b.block_id} released twice"
+            tier, level = b.tier, EMPTY_LEVEL if b.key is None else b.priority + 1   # level_of(b), inlined
+            lists[tier][level].append(b)
+            b.level = level
+            b.freed_at = tick
+            tick += 1
+            mask[tier] |= 1 << level
+            free[tier] += 1
+        self._tick = tick
 
     def requeue(self, blocks: list[Block]) -> None:
         """Move free blocks to the levels their keys and priorities now call for, keeping their LRU order."""

@@ -17,22 +17,41 @@ from kvledger.worker.ledger.config import CacheConfig, PoolLayout
 
 CopyOp = tuple[int, int, int, int]
 """(source tier, source slot, destination tier, destination slot)."""
+CopyRun = tuple[int, int, list[int], list[int]]
+"""Copies planned together: (source tier, destination tier, source slots, the destination slot of each)."""
+
+
+def merge_slot_runs(srcs: Sequence[int], dsts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Copies ``srcs[i] -> dsts[i]`` as ``(src_start, dst_start, length)`` runs where both sides are adjacent, in
+    source order (equal sources in the given order)."""
+    runs: list[tuple[int, int, int]] = []
+    s0 = d0 = n = 0
+    for i in sorted(range(len(srcs)), key=srcs.__getitem__):
+        s, d = srcs[i], dsts[i]
+        if n and s == s0 + n and d == d0 + n:
+            n += 1
+            continue
+        if n:
+            runs.append((s0, d0, n))
+        s0, d0, n = s, d, 1
+    if n:
+        runs.append((s0, d0, n))
+    return runs
 
 
 def merge_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(src, dst) slot pairs as ``(src_start, dst_start, length)`` runs where both sides are adjacent."""
-    runs: list[list[int]] = []
-    for s, d in sorted(pairs):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [(s, d, n) for s, d, n in runs]
+    ordered = sorted(pairs)
+    return merge_slot_runs([s for s, _ in ordered], [d for _, d in ordered])
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Iterable[tuple[int, int]]) -> int:
     """Copy blocks ``src[s] -> dst[d]`` for every pair, one slice copy per run; returns the number of copies."""
-    runs = merge_runs(pairs)
+    return copy_runs(src, dst, merge_runs(pairs))
+
+
+def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]]) -> int:
+    """Copy ``src[s:s + n] -> dst[d:d + n]`` for every ``(s, d, n)`` run; returns the number of copies."""
     cuda = src.is_cuda or dst.is_cuda
     if not cuda:
         for s, d, n in runs:
@@ -45,6 +64,17 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Iterable[tuple[int,
             dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
     torch.cuda.current_stream(side.device).wait_stream(side)
     return len(runs)
+
+
+def _one_group(runs: list[CopyRun]) -> bool:
+    """Whether ``runs`` go one way and touch every slot once, so that ``TieredPools.flush`` runs them as one group
+    (told in a few passes in C instead of its walk: the common case of one admission's offloads or onboards)."""
+    src_tier, dst_tier = runs[0][0], runs[0][1]
+    if any(r[0] != src_tier or r[1] != dst_tier for r in runs):
+        return False
+    n = sum(len(r[2]) for r in runs)
+    srcs, dsts = set().union(*(r[2] for r in runs)), set().union(*(r[3] for r in runs))
+    return len(srcs) == len(dsts) == n and (src_tier != dst_tier or srcs.isdisjoint(dsts))
 
 
 class TieredPools:
@@ -69,7 +99,7 @@ class TieredPools:
                 self.primary_pools.append(torch.zeros((num_primary, *shape), dtype=config.dtype, device=self.device))
                 self.secondary_pools.append(torch.zeros((num_secondary, *shape), dtype=config.dtype, device="cpu",
                                                         pin_memory=pin))
-        self._pending: list[CopyOp] = []
+        self._pending: list[CopyRun] = []
         self.copies_issued = 0
 
     @property
@@ -93,7 +123,12 @@ class TieredPools:
     def plan(self, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int) -> None:
         """Queue one block copy; queued copies run in order at ``flush``."""
         if self.primary_pools:
-            self._pending.append((src_tier, src_slot, dst_tier, dst_slot))
+            self._pending.append((src_tier, dst_tier, [src_slot], [dst_slot]))
+
+    def plan_n(self, src_tier: int, src_slots: list[int], dst_tier: int, dst_slots: list[int]) -> None:
+        """``plan`` a copy of each source slot to the destination slot at its position, in order."""
+        if self.primary_pools and src_slots:
+            self._pending.append((src_tier, dst_tier, src_slots, dst_slots))
 
     def flush(self) -> None:
         """Run queued copies in as few merged runs as their order allows.
@@ -103,24 +138,35 @@ class TieredPools:
         onboard into a slot an offload just vacated, a host slot offloaded into
         twice), and such a copy starts a new group so that order is kept.
         """
-        ops, self._pending = self._pending, []
+        runs, self._pending = self._pending, []
+        if not runs:
+            return
+        if _one_group(runs):
+            src_tier, dst_tier, srcs, dsts = runs[0]
+            if len(runs) > 1:
+                srcs, dsts = [s for r in runs for s in r[2]], [d for r in runs for d in r[3]]
+            self._run(src_tier, dst_tier, srcs, dsts)
+            return
+        ops = [(st, s, dt, d) for st, dt, ss, ds in runs for s, d in zip(ss, ds)]
         group: list[CopyOp] = []
         touched: set[tuple[int, int]] = set()
         for op in ops:
             src, dst = (op[0], op[1]), (op[2], op[3])
             if group and (op[0] != group[0][0] or op[2] != group[0][2] or src in touched or dst in touched):
-                self._run(group)
+                self._run_ops(group)
                 group, touched = [], set()
             group.append(op)
             touched.update((src, dst))
         if group:
-            self._run(group)
+            self._run_ops(group)
 
-    def _run(self, group: list[CopyOp]) -> None:
-        src_tier, _, dst_tier, _ = group[0]
-        pairs = [(op[1], op[3]) for op in group]
+    def _run_ops(self, group: list[CopyOp]) -> None:
+        self._run(group[0][0], group[0][2], [op[1] for op in group], [op[3] for op in group])
+
+    def _run(self, src_tier: int, dst_tier: int, srcs: list[int], dsts: list[int]) -> None:
+        runs = merge_slot_runs(srcs, dsts)
         for src, dst in zip(self.tier(src_tier), self.tier(dst_tier)):
-            self.copies_issued += copy_blocks(src, dst, pairs)
+            self.copies_issued += copy_runs(src, dst, runs)
 
     @property
     def elements_per_block(self) -> int:
@@ -154,4 +200,5 @@ class TieredPools:
         for pool, rows in zip(self.primary_pools, self._rows(data)):
             copy_blocks(rows, pool, pairs)
 
-__all__ = ["CopyOp", "TieredPools", "copy_blocks", "merge_runs", "PRIMARY", "SECONDARY"]
+__all__ = ["CopyOp", "CopyRun", "TieredPools", "copy_blocks", "copy_runs", "merge_runs", "merge_slot_runs", "PRIMARY",
+           "SECONDARY"]

@@ -286,7 +286,7 @@ class KVCacheManager:
         if tokens is None or seq.opaque or seq.request.extra_ids is not None:
             seq.opaque = True
         else:
-            seq.tokens.extend(tokens)
+            seq.add_tokens(tokens)
         seq.num_tokens += n
         self._apply_retention(seq, first_new)
         self.pools.flush()

@@ -100,16 +100,32 @@ class PrefixTree:
         block.node = None
         self._prune(node)
 
+    def detach_n(self, blocks: list[Block]) -> None:
+        """``detach`` each block in order, in one loop (evicting a run of victims); a node is pruned only where it
+        is left with no block and no children."""
+        for block in blocks:
+            if block.window:
+                self.detach(block)
+                continue
+            node = block.node
+            assert node is not None and node.block is block, f"block {block.block_id} is not in the tree"
+            node.block = block.node = None
+            if not node.children:
+                self._prune(node)
+
     def _prune(self, node: TreeNode) -> None:
         while node.parent is not None and node.block is None and not node.children and (
                 node.others is None or not any(node.others)):
-            parent = node.parent
-            del parent.children[node.key]
-            where = _bucket(node.key)
-            bucket = parent.by_bucket[where]
-            bucket.remove(node)
-            if not bucket:
-                del parent.by_bucket[where]
+            parent, key = node.parent, node.key
+            del parent.children[key]
+            if not parent.children:   # the only child (a chain's node): no bucket to look up
+                parent.by_bucket.clear()
+            else:
+                where = _bucket(key)
+                bucket = parent.by_bucket[where]
+                bucket.remove(node)
+                if not bucket:
+                    del parent.by_bucket[where]
             node.parent = None
             self.num_nodes -= 1
             node = parent

@@ -42,19 +42,31 @@ class Retention:
             return
         T = self._tokens_per_block
         prompt_len = len(request.tokens)
-        for i in range(first, len(blocks)):
-            b = blocks[i]
-            if b is PLACEHOLDER:
-                continue
+        # the answer of ``for_block`` changes only at blocks where a range starts or ends or the decode begins:
+        # asked once per run of blocks between such edges
+        edges = {-(-prompt_len // T), len(blocks)}
+        for r in retention.ranges:
+            edges.add(r.start // T)
+            if r.end is not None:
+                edges.add(-(-r.end // T))
+        put = self._pool.events.put
+        i = first
+        for edge in sorted(e for e in edges if e > first):
+            if edge > len(blocks):
+                break
             pri, dur = retention.for_block(i * T, (i + 1) * T, prompt_len)
-            b.duration_s = dur
             if dur is not None:
                 self._pool.timed = True
-            if b.priority != pri:
-                if b.block_hash is not None:
-                    self._pool.events.put(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority,
-                                                       new_priority=pri, group_idx=b.window))
-                b.priority = pri
+            for b in blocks[i:edge]:
+                if b is PLACEHOLDER:
+                    continue
+                b.duration_s = dur
+                if b.priority != pri:
+                    if b.block_hash is not None:
+                        put(BlockUpdated(block_hash=b.block_hash, old_priority=b.priority, new_priority=pri,
+                                         group_idx=b.window))
+                    b.priority = pri
+            i = edge
 
     def refresh(self) -> None:
         """Free blocks whose retention duration has passed fall back to the default priority."""

@@ -1,6 +1,7 @@
 """One running request as the ledger tracks it: its blocks, its known tokens, its keys and hashes."""
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvledger.worker.ledger.block import Block
@@ -16,7 +17,9 @@ class Sequence:
     num_tokens: int
     admission: Admission
     tokens: list[int] = field(default_factory=list)
-    """Token ids known so far; a decode step that gives no ids ends what can be stored."""
+    """Token ids known so far; a decode step that gives no ids ends what can be stored. The request's own prompt list
+    until the first decode step's ids are added (``add_tokens``): copying, and at the end freeing, a long prompt's
+    ids per request cost more than the rest of its admission's bookkeeping per block."""
     opaque: bool = False
     """Tokens past ``len(tokens)`` exist whose ids the ledger was not told."""
     keys: list[BlockKey] = field(default_factory=list)
@@ -48,6 +51,13 @@ class Sequence:
     def holders(self) -> tuple[list[Block], ...]:
         """The block lists this sequence holds a reference through, one per appearance."""
         return (self.blocks, *self.beams)
+
+    def add_tokens(self, tokens: Seq[int]) -> None:
+        """Append known token ids, the first time into a copy of the prompt (the request's list stays as given)."""
+        if self.tokens is self.request.tokens:
+            self.tokens = [*self.tokens, *tokens]
+        else:
+            self.tokens.extend(tokens)
 
     def storable_blocks(self, tokens_per_block: int) -> int:
         """Full blocks whose every token id is known and whose every token's KV is written.

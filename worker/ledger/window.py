@@ -54,7 +54,7 @@ class WindowManager:
 
     def release(self, blocks: list[Block]) -> None:
         """Drop one reference of each of ``blocks`` (a sequence's, in order); placeholders hold none."""
-        self.pool.release(blocks if self.size is None else [b for b in blocks if b is not PLACEHOLDER])
+        self.pool.release(blocks)
 
     def sliding_out(self, blocks: list[Block], start: int, pos: int) -> list[Block]:
         """The blocks of positions ``start..`` that no query from ``pos`` on needs (held ones only)."""

@@ -568,3 +568,25 @@ def test_a_block_key_from_another_process_finds_its_equal():
                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout
         there = pickle.loads(out)
         assert there == here and children.get(there) == "node"
+
+
+def test_fresh_blocks_trade_slots_and_shared_or_stored_ones_are_refused_unchanged():
+    """``arrange_slots`` (a migration target lining its fresh blocks up with the source's slots) reorders the slots
+    of blocks only the request holds and nothing reads yet; anything else is refused and changes nothing."""
+    mgr = make_manager(primary=12)
+    serve(mgr, make_request(1, A))
+    mgr.remove_sequence(1)                       # A's three blocks are stored and free
+    mgr.add_sequence(make_request(2, A + list(range(200, 213))))
+    ids = mgr.get_block_ids(2)
+    assert mgr.admission(2).reused_blocks == 3 and len(ids) == 7   # three reused blocks, then four fresh ones
+    slots = [mgr.blocks[b].slot for b in ids]
+    mgr.arrange_slots(2, 3, slots[3:][::-1])
+    assert [mgr.blocks[b].slot for b in ids] == slots[:3] + slots[3:][::-1]
+    assert mgr.get_block_ids(2) == ids
+    before = [mgr.blocks[b].slot for b in ids]
+    for at, bad in ((0, before[:3][::-1]), (3, [before[3], before[3], before[4]]), (4, before[3:6]), (-1, [])):
+        with pytest.raises(ValueError, match="arrange_slots"):
+            mgr.arrange_slots(2, at, bad)
+        assert [mgr.blocks[b].slot for b in ids] == before
+    mgr.remove_sequence(2)
+    mgr.check_integrity()

@@ -4,6 +4,7 @@ migrating in this process and over a real local Ray's process group."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from kvledger.coordinator.config import ClusterConfig
 from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.worker.ledger import CacheConfig
 from kvledger.worker.rank.transfer import _PieceBuffers, _Staging
-from kvledger.worker.rank.transfer_plan import MAX_PIECES, is_run, plan_pieces
+from kvledger.worker.rank.transfer_plan import MAX_PIECES, aligned_slots, is_run, plan_pieces
 from kvledger.worker.wire.request import Request
 
 T = 4
@@ -75,6 +76,22 @@ def test_a_bad_plan_request_is_refused():
         plan_pieces([1, 2], chunk_blocks=0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_fresh_target_slots_ascend_along_the_source_pieces(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 60)
+    src = rng.sample(range(100), n) if seed % 2 else freed_backwards(20, n)
+    fresh = freed_backwards(5, n)   # a target's free list backwards: every piece would be scattered block by block
+    dst = aligned_slots(src, fresh)
+    assert [dst[i] for i in sorted(range(n), key=src.__getitem__)] == sorted(fresh), \
+        "each fresh slot is used once, ascending in the source's slot order"
+    for p in plan_pieces(src, chunk_blocks=8):
+        piece = [src[i] for i in p]
+        assert not is_run(piece) or is_run([dst[i] for i in p]), "a piece that runs on the source runs on the target"
+    with pytest.raises(ValueError, match="one target slot per source slot"):
+        aligned_slots([1, 2], [3])
+
+
 # ---------------------------------------------------------------------- the buffers, with the wire in between
 
 def pools(num_blocks: int, seed: int) -> list[torch.Tensor]:
@@ -134,13 +151,17 @@ def test_a_mixed_head_ledger_migrates_in_this_process():
     assert same_logits(moved, scratch)
 
 
-@pytest.fixture(scope="module")
-def mixed_cluster(ray_session):
-    cfg = ClusterConfig(num_ranks=2, device="cpu", cache=mixed_cache(), name_prefix="kvledger-pools-rank",
-                        group_timeout_s=30, call_timeout_s=TIMEOUT)
-    c = Cluster.start(cfg)
+def two_ranks(name_prefix: str, blocks: int = 48) -> Iterator[Cluster]:
+    """A cluster of two ranks of ``mixed_cache(blocks)`` on the session's Ray, for one module."""
+    c = Cluster.start(ClusterConfig(num_ranks=2, device="cpu", cache=mixed_cache(blocks), name_prefix=name_prefix,
+                                    group_timeout_s=30, call_timeout_s=TIMEOUT))
     yield c
     c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mixed_cluster(ray_session):
+    yield from two_ranks("kvledger-pools-rank")
 
 
 def test_a_mixed_head_ledger_migrates_over_the_process_group(mixed_cluster):
@@ -157,3 +178,28 @@ def test_a_mixed_head_ledger_migrates_over_the_process_group(mixed_cluster):
     for client in c.clients:
         client.check_integrity()
     assert [client.load().device_blocks_used for client in c.clients] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def fresh_pair(ray_session):
+    """Two ranks no other test touched, so that the slots their free lists hand out are known."""
+    yield from two_ranks("kvledger-fresh-rank", blocks=16)
+
+
+def test_a_target_whose_free_slots_run_backwards_receives_straight_into_its_pool(fresh_pair):
+    c = fresh_pair
+    p = prompt(6 * T + 1, seed=3)
+    (scratch,) = c.client(0).serve([Request(1, p, 3)], logits=True).outcomes   # source slots 0..6, ascending
+    # The target's every block is stored once released, last block first: its next allocation evicts them from the
+    # tail, slots 15, 14, 13, ...: opposite to the source's run, so each block would land in a slot of its own.
+    c.client(1).serve([Request(2, prompt(15 * T + 1, seed=4), 1)])
+    before = c.client(1).info().transfers
+    assert c.migrator.migrate(p, src=0, dst=1).sent_blocks == 6
+    after = c.client(1).info().transfers
+    assert after["received_direct"] == before["received_direct"] + 1, "received straight into the pool"
+    assert after["scatter_copies"] == before["scatter_copies"]
+    (moved,) = c.client(1).serve([Request(3, p, 3)], logits=True).outcomes
+    assert moved.cached_tokens == 6 * T and moved.output_tokens == scratch.output_tokens
+    assert same_logits(moved, scratch)
+    for client in c.clients:
+        client.check_integrity()

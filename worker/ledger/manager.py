@@ -465,6 +465,22 @@ class KVCacheManager:
             raise ValueError(f"get_block_ids: beam must be an int in 0..{seq.request.beam_width - 1}, got {beam!r}")
         return [b.block_id for b in seq.beam_rows(self.tokens_per_block)[beam]]
 
+    @_checked
+    def arrange_slots(self, request_id: int, start: int, slots: Seq[int]) -> None:
+        """Give the blocks of running request ``request_id`` from position ``start`` on the device slots ``slots``,
+        an order of their own slots: a transfer receives straight into the pool where the slots run as the
+        sender's do. Only blocks that the request alone holds and that hold nothing reusable yet may trade slots
+        (no one else has seen their data); raises ``ValueError``, changing nothing, otherwise."""
+        seq = self._running(request_id)
+        blocks = seq.blocks[start:start + len(slots)] if type(start) is int and start >= 0 else None
+        if blocks is None or len(blocks) != len(slots) or sorted(b.slot for b in blocks) != sorted(slots):
+            raise ValueError(f"arrange_slots: slots must be an order of the slots of request {request_id}'s blocks "
+                             f"{start}..{start + len(slots) - 1}, got start={start!r}, slots={list(slots)!r}")
+        if seq.beams or any(b.ref_count != 1 or b.node is not None for b in blocks):
+            raise ValueError(f"arrange_slots: request {request_id}'s blocks {start}.. are shared or stored")
+        for b, slot in zip(blocks, slots):
+            b.slot = slot
+
     def admission(self, request_id: int) -> Admission:
         return self._running(request_id).admission
 

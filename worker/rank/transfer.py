@@ -7,7 +7,8 @@ on the target, launched together), negotiating over the process group: the
 source sends the slots of the blocks it pinned while the target says how many
 of them it holds already (the two messages cross, so neither side waits for the
 other's), then the source sends the rest in the pieces ``transfer_plan`` cuts
-while the target allocates them and receives. In-process ranks and ledgers that keep only the books
+while the target allocates them, gives its fresh blocks slots that run along
+the source's, and receives. In-process ranks and ledgers that keep only the books
 are driven step by step by ``kvledger.coordinator.migration`` (``export_begin``,
 ``export_read`` / ``import_write`` for a tensor handed over, or
 ``import_commit`` with no bytes at all, ``export_end``, ``import_abort``).
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from kvledger.worker.ledger.kv_pool import copy_blocks
 from kvledger.worker.rank.books import RankBooks
-from kvledger.worker.rank.transfer_plan import is_run, plan_pieces
+from kvledger.worker.rank.transfer_plan import aligned_slots, is_run, plan_pieces
 from kvledger.worker.wire.messages import ExportTicket, ImportTicket
 from kvledger.worker.wire.request import Request
 
@@ -195,10 +196,7 @@ class TransferCounts:
 
 def _message(count: int, slots: list[int], size: int, device: torch.device) -> torch.Tensor:
     """``[count, *slots]`` padded with -1 to ``size`` entries: one negotiation message."""
-    m = torch.full((size,), -1, dtype=torch.int64)
-    m[0] = count
-    m[1:1 + len(slots)] = torch.tensor(slots, dtype=torch.int64)
-    return m.to(device)
+    return torch.tensor([count, *slots, *[-1] * (size - 1 - len(slots))], dtype=torch.int64, device=device)
 
 
 def _cross(out: torch.Tensor, into: torch.Tensor, peer: int, tag: int) -> list:
@@ -333,7 +331,9 @@ class TransferEndpoints:
                 self._receive_pieces(src_slots, [None] * (n - start), src_rank, tag)
                 raise RuntimeError(f"rank {self.books.rank} lost prefix blocks {first_new}..{start - 1} during "
                                    f"the migration from rank {src_rank}; nothing was stored")
-            dst = [None] * (first_new - start) + list(slots)   # blocks gained meanwhile are dropped
+            if slots:
+                slots = self._align(ticket.import_id, first_new, src_slots[first_new - start:])
+            dst = [None] * (first_new - start) + slots   # blocks gained meanwhile are dropped
             nbytes = self._receive_pieces(src_slots, dst, src_rank, tag)
             if slots:
                 with self.books.lock:
@@ -342,6 +342,17 @@ class TransferEndpoints:
         except BaseException:
             self.import_abort(ticket.import_id)
             raise
+
+    def _align(self, import_id: int, first: int, src: list[int]) -> list[int]:
+        """Give the import's fresh blocks (positions ``first..``, receiving from source slots ``src``) the slots
+        ``aligned_slots`` picks among their own, so that the target receives straight into its pool wherever both
+        sides' slots run; returns them. Only the import holds these blocks and none holds KV yet, so exchanging
+        their slots (as an offload exchanges two blocks' slots) changes nothing anyone else sees."""
+        with self.books.lock:
+            slots = aligned_slots(src, self._held[import_id])
+            self.books.ledger().arrange_slots(import_id, first, slots)
+            self._held[import_id] = slots
+            return slots
 
     def _pools(self) -> list[torch.Tensor]:
         with self.books.lock:
@@ -529,6 +540,4 @@ class TransferEndpoints:
     def _store(self, import_id: int) -> None:
         """The import's KV is written: its blocks become reusable and announced, and the import ends."""
         del self._held[import_id]
-        mgr = self.books.ledger()
-        mgr.store_context_blocks(import_id)
-        mgr.remove_sequence(import_id)
+        self.books.ledger().remove_sequence(import_id)   # stores the full blocks first: all but the extra token's

@@ -6,9 +6,11 @@ that runs of adjacent slots (free lists hand them out in runs, often descending
 ones: a sequence's blocks are freed last block first) become pieces sent
 straight from the source's pool, one message each. The plan depends on the
 source's slots alone, which the target learns from the source's first message,
-so the source never waits for the target's slots before it sends. Where a
-piece's target slots are one ascending run too, the target receives it straight
-into its pool; elsewhere into a staging buffer it scatters from.
+so the source never waits for the target's slots before it sends. The target's
+fresh blocks hold nothing yet, so which of them takes which block is free too:
+``aligned_slots`` hands them out so that the target's slots ascend along the
+source's, and wherever both sides' slots run, the target receives a piece
+straight into its pool; elsewhere into a staging buffer it scatters from.
 
 Pieces are cut at ``chunk_blocks`` so that a target's scatter of piece ``i``
 overlaps the arrival of piece ``i + 1``; when the source's runs alone would
@@ -42,3 +44,14 @@ def plan_pieces(src: Sequence[int], chunk_blocks: int, max_pieces: int = MAX_PIE
         cuts = starts if len(starts) <= max_pieces else list(range(0, len(order), step))
     ends = [*cuts[1:], len(order)]
     return [order[a:b] for a, b in zip(cuts, ends)]
+
+
+def aligned_slots(src: Sequence[int], slots: Sequence[int]) -> list[int]:
+    """Target slots ``slots`` handed to the blocks with source slots ``src`` (one each, ``out[i]`` for ``src[i]``) so
+    that they ascend in the order the blocks travel (see the module docstring)."""
+    if len(src) != len(slots):
+        raise ValueError(f"aligned_slots needs one target slot per source slot, got {len(slots)} for {len(src)}")
+    out = [0] * len(src)
+    for i, s in zip(sorted(range(len(src)), key=src.__getitem__), sorted(slots)):
+        out[i] = s
+    return out

@@ -115,7 +115,7 @@ class Admitter:
                 w.pool.ref_n(p.match.held(w.index))
             part = p.match.partial
             if part is not None:
-                pool.ref(part)
+                pool.ref_n([part])
                 if p.match.in_place:
                     pool.forget(part)
                 else:

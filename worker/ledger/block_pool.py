@@ -71,15 +71,9 @@ class BlockPool:
     def num_free(self, tier: int) -> int:
         return self.eviction.num_free(tier)
 
-    def ref(self, b: Block) -> None:
-        """Hold ``b`` once more; a free block leaves its free list."""
-        if b.ref_count == 0 and b.level >= 0:
-            self.eviction.claim(b)
-            b.expires_at = None   # in use again: its countdown stops (it starts anew at the next release)
-        b.ref_count += 1
-
     def ref_n(self, blocks: list[Block]) -> None:
-        """``ref`` each block, in one loop (an admission holds its whole match)."""
+        """Hold each block once more; a free block leaves its free list, and its retention countdown stops (it
+        starts anew at the next release)."""
         claim = self.eviction.claim
         for b in blocks:
             if b.ref_count == 0 and b.level >= 0:
@@ -156,10 +150,10 @@ class BlockPool:
             self.offloaded += k
 
     def _move_n(self, blocks: list[Block], dsts: list[Block | None], to: int) -> None:
-        """Book a run of tier moves in order, as ``_offload``/``_swap_in`` and ``forget`` book one: each of
-        ``blocks`` swaps into tier ``to`` with its block of ``dsts`` there (clean, or stored and dropped first), or
-        is dropped where that is ``None``. The events go out in order, the copies are planned together, nothing
-        is released."""
+        """Book a run of tier moves in order, in one pass (eviction is a hot path; ``_offload`` and ``_swap_in``
+        book one): each of ``blocks`` swaps into tier ``to`` with its block of ``dsts`` there (clean, or stored and
+        dropped first, as ``forget`` drops one), or is dropped where that is ``None``. The events go out in order,
+        the copies are planned together, nothing is released."""
         window, frm = self.window, SECONDARY if to == PRIMARY else PRIMARY
         old, new = TIER_MEDIUM[frm], TIER_MEDIUM[to]
         events: list[KVEvent] = []
@@ -199,16 +193,9 @@ class BlockPool:
     def _offload(self, b: Block) -> Block:
         """Move claimed primary block ``b`` to a free host slot; returns the host block it swapped with, now a clean
         primary block."""
-        evict = self.eviction
-        dest = evict.take(SECONDARY)
-        if dest.node is not None:
-            self.forget(dest)
-        self.pools.plan(PRIMARY, b.slot, SECONDARY, dest.slot)
-        b.slot, dest.slot = dest.slot, b.slot
-        b.tier, dest.tier = SECONDARY, PRIMARY
-        self.events.put(BlockUpdated(block_hash=b.block_hash, old_medium="GPU", new_medium="CPU",
-                                     group_idx=self.window))
-        evict.release(b)
+        dest = self.eviction.take(SECONDARY)
+        self._move_n([b], [dest], SECONDARY)
+        self.eviction.release(b)
         self.offloaded += 1
         return dest
 
@@ -232,13 +219,8 @@ class BlockPool:
 
     def _swap_in(self, b: Block, dst: Block) -> None:
         """Onboard host block ``b`` into clean primary block ``dst``'s slot; ``dst`` takes ``b``'s host slot, free."""
-        self.pools.plan(SECONDARY, b.slot, PRIMARY, dst.slot)
-        b.slot, dst.slot = dst.slot, b.slot
-        b.tier, dst.tier = PRIMARY, SECONDARY
+        self._move_n([b], [dst], PRIMARY)
         self.eviction.release(dst)
-        if b.block_hash is not None:
-            self.events.put(BlockUpdated(block_hash=b.block_hash, old_medium="CPU", new_medium="GPU",
-                                         group_idx=self.window))
 
     def forget(self, b: Block) -> None:
         """Take a stored block out of the tree and announce it gone from its tier."""

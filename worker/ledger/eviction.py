@@ -8,7 +8,7 @@ non-empty levels finds it without scanning.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, Block
 from kvledger.worker.ledger.free_list import FreeList
@@ -35,14 +35,7 @@ class EvictionPolicy:
 
     def release(self, block: Block) -> None:
         """Make an unreferenced block available, as the most recently used of its level."""
-        assert block.level < 0, f"block {block.block_id} released twice"
-        level = level_of(block)
-        self._lists[block.tier][level].append(block)
-        block.level = level
-        block.freed_at = self._tick
-        self._tick += 1
-        self._mask[block.tier] |= 1 << level
-        self._free[block.tier] += 1
+        self.release_each((block,))
 
     def unref_n(self, blocks: list[Block]) -> list[Block]:
         """Drop one reference of each held block (placeholders hold none), the last first (so a prefix outlives its
@@ -161,8 +154,8 @@ class EvictionPolicy:
             mask &= mask - 1
         return -1
 
-    def release_each(self, blocks: list[Block]) -> None:
-        """``release`` each block in order, in one loop (victims moved to the host tier together)."""
+    def release_each(self, blocks: Sequence[Block]) -> None:
+        """Make each unreferenced block available, in order, as the most recently used of its level."""
         lists, mask, free = self._lists, self._mask, self._free
         tick = self._tick
         for b in blocks:
@@ -181,8 +174,7 @@ class EvictionPolicy:
         blocks = sorted(blocks, key=lambda b: b.freed_at)
         for b in blocks:
             self.claim(b)
-        for b in blocks:
-            self.release(b)
+        self.release_each(blocks)
 
     def num_free(self, tier: int) -> int:
         return self._free[tier]

@@ -410,8 +410,7 @@ class KVCacheManager:
         if len(onboards) > pool.num_free(PRIMARY) - free_claimed:
             raise OutOfBlocksError(len(onboards), pool.num_free(PRIMARY) - free_claimed,
                                    f"pinning {len(full)} blocks as {pin_id}")
-        for b in full:
-            pool.ref(b)
+        pool.ref_n(full)
         pool.onboard_n(onboards)
         self.pools.flush()
         self._pinned[pin_id] = full

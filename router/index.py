@@ -46,11 +46,11 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import and_, ne, not_, or_
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvledger.router.groups import RankGroups, is_windowed
 from kvledger.worker.wire.events import (EVENT_CLASS, AllBlocksCleared, BatchView, BlockRemoved, BlockStored,
@@ -62,6 +62,11 @@ _HOST = 1 << 32           # one host-tier ref
 _DEV_MASK = _HOST - 1
 _UNKNOWN = object()       # a parent the index was never told
 _GRID = 32                # blocks between the probes of a chain's first pass
+T = TypeVar("T")          # what a probe's caller makes of one match
+
+
+def _pair(blocks: int, host_blocks: int) -> tuple[int, int]:
+    return blocks, host_blocks
 
 
 def _tier_unit(medium: Medium | None) -> int:
@@ -215,8 +220,8 @@ class PrefixIndex:
         n = len(hashes)
         active = self._holders.get(hashes[0], 0) if n else 0
         if not active:
-            return self._answer_windowed(hashes, {}) if self._windowed and n else {}
-        return self._answer(hashes, self._walk(hashes, active))
+            return self._answer(hashes, [], _pair) if self._windowed and n else {}
+        return self._answer(hashes, self._walk(hashes, active), _pair)
 
     def chain_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
         """``longest_prefixes`` of a chain (each hash the child of the one before, as ``prompt_hashes`` makes
@@ -225,20 +230,27 @@ class PrefixIndex:
         Where each match ends, the block's recorded parent must be the hash before it; a sequence that is
         found not to be one chain is walked block by block instead.
         """
+        return self.chain_matches(hashes, _pair)
+
+    def chain_matches(self, hashes: Sequence[int], make: Callable[[int, int], T]) -> dict[int, T]:
+        """``chain_prefixes``, ranks ascending, with each distinct ``(blocks, host-only blocks)`` made into
+        ``make(blocks, host_blocks)`` once and shared by its ranks: the probe's form, which saves a tuple per
+        rank and hashing it to share what it makes."""
         holders = self._holders
         n = len(hashes)
         active = holders.get(hashes[0], 0) if n else 0
         if not active:
-            return self._answer_windowed(hashes, {}) if self._windowed and n else {}
+            return self._answer(hashes, [], make) if self._windowed and n else {}
         if active & self._walked:
-            return self._answer(hashes, self._walk(hashes, active))
+            return self._answer(hashes, self._walk(hashes, active), make)
         # Each rank of ``first`` holds a prefix of the chain, so the ranks of ``first`` holding block j only
         # shrink as j grows. Read them on a grid (one C-level pass), then bisect each grid step where they
         # shrink down to the blocks where they do.
         get, parents, first = holders.get, self._parents, active
         grid = list(range(0, n - 1, _GRID))
         grid.append(n - 1)
-        held = list(map(and_, map(get, map(hashes.__getitem__, grid), repeat(0)), repeat(first)))
+        held = list(map(and_, map(get, hashes[0:n - 1:_GRID], repeat(0)), repeat(first)))
+        held.append(get(hashes[n - 1], 0) & first)
         grid.append(n)
         held.append(0)
         ends: list[tuple[int, int]] = []
@@ -254,10 +266,10 @@ class PrefixIndex:
                     else:
                         b, m_b = mid, m
                 if m_b & ~m_lo or (a and parents.get(hashes[a], _UNKNOWN) != hashes[a - 1]):
-                    return self._answer(hashes, self._walk(hashes, first))   # not one chain
+                    return self._answer(hashes, self._walk(hashes, first), make)   # not one chain
                 ends.append((m_lo & ~m_b, b))
                 lo, m_lo = b, m_b
-        return self._answer(hashes, ends)
+        return self._answer(hashes, ends, make)
 
     def _walk(self, hashes: Sequence[int], active: int) -> list[tuple[int, int]]:
         """``(ranks' bits, blocks they matched)`` from one lookup per block, ``active`` holding ``hashes[0]``.
@@ -282,10 +294,11 @@ class PrefixIndex:
         ends.append((active, end))
         return ends
 
-    def _answer(self, hashes: Sequence[int], ends: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
-        """Per rank of ``ends``: its match and the host-only blocks within it."""
+    def _answer(self, hashes: Sequence[int], ends: list[tuple[int, int]], make: Callable[[int, int], T],
+                ) -> dict[int, T]:
+        """Per rank of ``ends``, ascending: ``make`` of its match and the host-only blocks within it."""
         host: dict[int, int] = {}   # bit -> host-only blocks within its match
-        if self._host_only:
+        if self._host_only and ends:
             longest = max(matched for bits, matched in ends if bits)
             host_masks = list(map(self._host_only.get, hashes[:longest], repeat(0)))
             for j in compress(range(longest), host_masks):   # only blocks some rank holds on the host tier
@@ -295,28 +308,37 @@ class PrefixIndex:
                         low = hit & -hit
                         host[low] = host.get(low, 0) + 1
                         hit ^= low
-        out: dict[int, tuple[int, int]] = {}
-        for bits, matched in ends:
-            if not bits:
-                continue
-            if not host:   # one tuple for the ranks of this end, none holding a block on the host tier only
-                out.update(zip(self._ranks_of(bits), repeat((matched, 0))))
-                continue
+        out: dict[int, T] = {}
+        if not host:   # one answer for the ranks of each end, none holding a block on the host tier only
+            for bits, matched in ends:
+                if bits:
+                    out.update(zip(self._ranks_of(bits), repeat(make(matched, 0))))
+        else:
+            made: dict[tuple[int, int], T] = {}
             slot_rank = self._slot_rank
-            while bits:
-                low = bits & -bits
-                rank = slot_rank[low.bit_length() - 1]
-                assert rank is not None, "a freed slot's bit was left in a mask"
-                out[rank] = (matched, host.get(low, 0))
-                bits ^= low
-        return self._answer_windowed(hashes, out) if self._windowed else out
+            for bits, matched in ends:
+                while bits:
+                    low = bits & -bits
+                    rank = slot_rank[low.bit_length() - 1]
+                    assert rank is not None, "a freed slot's bit was left in a mask"
+                    key = (matched, host.get(low, 0))
+                    got = made.get(key)
+                    out[rank] = made[key] = make(*key) if got is None else got
+                    bits ^= low
+        if self._windowed:
+            out = self._answer_windowed(hashes, out, make)
+        if len(out) > 1:
+            ranks = sorted(out)
+            out = dict(zip(ranks, map(out.__getitem__, ranks)))
+        return out
 
-    def _answer_windowed(self, hashes: Sequence[int], out: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    def _answer_windowed(self, hashes: Sequence[int], out: dict[int, T], make: Callable[[int, int], T],
+                         ) -> dict[int, T]:
         """``out`` with each windowed rank's match by the safe-prefix rule over its groups instead."""
         for rank, feed in self._windowed.items():
             found = feed.groups.match(feed.refs, hashes, self.block_size(rank))
             if found[0]:
-                out[rank] = found
+                out[rank] = make(*found)
             else:
                 out.pop(rank, None)
         return out
@@ -719,10 +741,11 @@ class PrefixIndex:
         """Remove device blocks ``hs`` in bulk if the rank holds each once, on the device tier only (the
         common eviction); else change nothing and say so."""
         refs, holders = feed.refs, self._holders
-        if list(map(refs.get, hs)).count(_DEV) != len(hs) or len(set(hs)) != len(hs):
+        took = list(map(refs.pop, hs, repeat(0)))   # a hash listed twice takes 0 the second time
+        if took.count(_DEV) != len(hs):
+            refs.update(compress(zip(hs, took), took))   # put back what was taken
             return False
         masks = list(map(and_, map(holders.__getitem__, hs), repeat(~feed.bit)))
-        deque(map(refs.__delitem__, hs), 0)
         holders.update(zip(hs, masks))
         if 0 in masks:
             deque(map(holders.__delitem__, compress(hs, map(not_, masks))), 0)
@@ -735,14 +758,16 @@ class PrefixIndex:
         kids, refs = feed.kids, feed.refs
         ps = list(map(self._parents.__getitem__, hs))
         first = ps[0]
-        if ps[1:] == hs[:-1] and first not in hs and list(map(kids.get, hs[:-1])).count(1) == len(hs) - 1:
-            # A chain whose blocks but the last had one held child each: a tail evicted root first.
-            deque(map(kids.__delitem__, hs[:-1]), 0)
-            lost = first is not None and first not in refs
-            if first is not None:
-                _one_kid_fewer(kids, first)
-            feed.orphans += kids.get(hs[-1], 0) - lost
-            return
+        if ps[1:] == hs[:-1] and first not in hs:
+            took = list(map(kids.pop, hs[:-1], repeat(0)))
+            if took.count(1) == len(took):
+                # A chain whose blocks but the last had one held child each: a tail evicted root first.
+                lost = first is not None and first not in refs
+                if first is not None:
+                    _one_kid_fewer(kids, first)
+                feed.orphans += kids.get(hs[-1], 0) - lost
+                return
+            kids.update(compress(zip(hs, took), took))   # put back what was taken
         gone = set(hs)
         lost = sum(1 for p in ps if p is not None and p not in refs and p not in gone)   # orphans removed
         for p in ps:

@@ -10,6 +10,7 @@ compute it.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,12 +18,11 @@ from kvledger.router.index import PrefixIndex
 from kvledger.worker.wire.block_key import MmKey, block_hashes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """One rank's longest held prefix of a prompt (any tier), and how many of those blocks sit on the host tier.
 
-    Made on every probe, so not frozen (a frozen dataclass takes three times as long to build), and shared
-    by the ranks of one probe with the same match: read-only by convention.
+    Frozen, since one is shared by every rank and probe with that match (``_match`` makes each once).
     """
 
     matched_blocks: int
@@ -32,6 +32,12 @@ class PrefixMatch:
     @property
     def device_blocks(self) -> int:
         return self.matched_blocks - self.host_blocks
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _match(blocks: int, host_blocks: int, tokens_per_block: int) -> PrefixMatch:
+    """The ``PrefixMatch`` of these figures, made once: a probe answers with a few distinct ones."""
+    return PrefixMatch(blocks, blocks * tokens_per_block, host_blocks)
 
 
 def prompt_hashes(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int | None = None,
@@ -50,12 +56,10 @@ def match_prefix(index: PrefixIndex, hashes: Sequence[int], tokens_per_block: in
     child of the one before, as ``prompt_hashes`` makes them; blocks of ``tokens_per_block`` tokens, the
     index's default when ``None``), by rank."""
     tpb = index.tokens_per_block if tokens_per_block is None else tokens_per_block
-    found = index.chain_prefixes(hashes)
-    ranks = sorted(found)
+    found = index.chain_matches(hashes, lambda blocks, host: _match(blocks, host, tpb))
     if index.other_block_sizes():   # a chain of one size names no block of another; this keeps it certain
-        ranks = [r for r in ranks if index.block_size(r) == tpb]
-    made = {m: PrefixMatch(m[0], m[0] * tpb, m[1]) for m in set(found.values())}   # ranks share matches
-    return {r: made[found[r]] for r in ranks}
+        return {r: m for r, m in found.items() if index.block_size(r) == tpb}
+    return found
 
 
 def match_all_sizes(index: PrefixIndex, tokens: Sequence[int], hashes: Sequence[int], *, lora_id: int | None = None,

@@ -233,7 +233,7 @@ class PrefixIndex:
         return self.chain_matches(hashes, _pair)
 
     def chain_matches(self, hashes: Sequence[int], make: Callable[[int, int], T]) -> dict[int, T]:
-        """``chain_prefixes``, ranks ascending, with each distinct ``(blocks, host-only blocks)`` made into
+        """``chain_prefixes``, with each distinct ``(blocks, host-only blocks)`` made into
         ``make(blocks, host_blocks)`` once and shared by its ranks: the probe's form, which saves a tuple per
         rank and hashing it to share what it makes."""
         holders = self._holders
@@ -296,7 +296,7 @@ class PrefixIndex:
 
     def _answer(self, hashes: Sequence[int], ends: list[tuple[int, int]], make: Callable[[int, int], T],
                 ) -> dict[int, T]:
-        """Per rank of ``ends``, ascending: ``make`` of its match and the host-only blocks within it."""
+        """Per rank of ``ends`` (in no set order): ``make`` of its match and the host-only blocks within it."""
         host: dict[int, int] = {}   # bit -> host-only blocks within its match
         if self._host_only and ends:
             longest = max(matched for bits, matched in ends if bits)
@@ -325,12 +325,7 @@ class PrefixIndex:
                     got = made.get(key)
                     out[rank] = made[key] = make(*key) if got is None else got
                     bits ^= low
-        if self._windowed:
-            out = self._answer_windowed(hashes, out, make)
-        if len(out) > 1:
-            ranks = sorted(out)
-            out = dict(zip(ranks, map(out.__getitem__, ranks)))
-        return out
+        return self._answer_windowed(hashes, out, make) if self._windowed else out
 
     def _answer_windowed(self, hashes: Sequence[int], out: dict[int, T], make: Callable[[int, int], T],
                          ) -> dict[int, T]:

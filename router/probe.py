@@ -54,7 +54,7 @@ def match_prefix(index: PrefixIndex, hashes: Sequence[int], tokens_per_block: in
                  ) -> dict[int, PrefixMatch]:
     """Per rank holding at least the chain's first block: its match along the chain ``hashes`` (each the
     child of the one before, as ``prompt_hashes`` makes them; blocks of ``tokens_per_block`` tokens, the
-    index's default when ``None``), by rank."""
+    index's default when ``None``), keyed by rank (in no set order)."""
     tpb = index.tokens_per_block if tokens_per_block is None else tokens_per_block
     found = index.chain_matches(hashes, lambda blocks, host: _match(blocks, host, tpb))
     if index.other_block_sizes():   # a chain of one size names no block of another; this keeps it certain

@@ -310,9 +310,12 @@ class PrefixIndex:
                         hit ^= low
         out: dict[int, T] = {}
         if not host:   # one answer for the ranks of each end, none holding a block on the host tier only
-            for bits, matched in ends:
-                if bits:
-                    out.update(zip(self._ranks_of(bits), repeat(make(matched, 0))))
+            masks = [bits for bits, _ in ends]
+            groups = list(map(self._mask_ranks.get, masks))
+            if None in groups:
+                groups = list(map(self._ranks_of, masks))
+            answers = map(make, [matched for _, matched in ends], repeat(0))
+            out = dict(zip(chain.from_iterable(groups), chain.from_iterable(map(repeat, answers, map(len, groups)))))
         else:
             made: dict[tuple[int, int], T] = {}
             slot_rank = self._slot_rank

@@ -35,7 +35,7 @@ class PrefixMatch:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _match(blocks: int, host_blocks: int, tokens_per_block: int) -> PrefixMatch:
+def _match(tokens_per_block: int, blocks: int, host_blocks: int) -> PrefixMatch:
     """The ``PrefixMatch`` of these figures, made once: a probe answers with a few distinct ones."""
     return PrefixMatch(blocks, blocks * tokens_per_block, host_blocks)
 
@@ -56,7 +56,7 @@ def match_prefix(index: PrefixIndex, hashes: Sequence[int], tokens_per_block: in
     child of the one before, as ``prompt_hashes`` makes them; blocks of ``tokens_per_block`` tokens, the
     index's default when ``None``), keyed by rank (in no set order)."""
     tpb = index.tokens_per_block if tokens_per_block is None else tokens_per_block
-    found = index.chain_matches(hashes, lambda blocks, host: _match(blocks, host, tpb))
+    found = index.chain_matches(hashes, functools.partial(_match, tpb))
     if index.other_block_sizes():   # a chain of one size names no block of another; this keeps it certain
         return {r: m for r, m in found.items() if index.block_size(r) == tpb}
     return found

@@ -144,6 +144,10 @@ def bench_tiers(blocks: list[int], reps: int, device: str) -> None:
     bpb = cache_config(device, 1, 0).bytes_per_block
     dev = KVCacheManager(cache_config(device, 1, 0)).pools.device
     print(f"(a) tier copies through the ledger, {bpb // 1024} KiB blocks, device {dev}, median of {reps}")
+    one = [tier_seconds(1, device) for _ in range(reps)]
+    print("  books of a 1-block admission, the same cold caches (what any admission pays before its blocks): "
+          + ", ".join(f"{name} {statistics.median(r[f'{name}_ledger'] - r[f'{name}_copy'] for r in one) * 1e3:.2f} ms"
+                      for name in ("offload", "onboard")))
     for n in blocks:
         nbytes = n * bpb
         runs: list[dict[str, float]] = []

@@ -92,10 +92,10 @@ class Admitter:
         reuses."""
         for w in self._windows:
             held = {b.block_id: b for p in plans for b in p.match.to_onboard(w.index)}
+            onboards = sum(1 for b in held.values() if b.tier == SECONDARY)
             if w.index == 0:
                 held.update((p.match.partial.block_id, p.match.partial) for p in plans if p.match.partial is not None)
             free_claimed = sum(1 for b in held.values() if b.tier == PRIMARY and b.ref_count == 0)
-            onboards = len({b.block_id for p in plans for b in p.match.to_onboard(w.index) if b.tier == SECONDARY})
             needed = sum(p.new_blocks for p in plans) + onboards
             available = w.pool.num_free(PRIMARY) - free_claimed
             if needed > available:

@@ -74,11 +74,12 @@ class BlockPool:
     def ref_n(self, blocks: list[Block]) -> None:
         """Hold each block once more; a free block leaves its free list, and its retention countdown stops (it
         starts anew at the next release)."""
-        claim = self.eviction.claim
-        for b in blocks:
-            if b.ref_count == 0 and b.level >= 0:
-                claim(b)
+        free = [b for b in blocks if b.ref_count == 0 and b.level >= 0]
+        if free:
+            self.eviction.claim_each(free)
+            for b in free:
                 b.expires_at = None
+        for b in blocks:
             b.ref_count += 1
 
     def unref(self, b: Block) -> None:
@@ -114,17 +115,19 @@ class BlockPool:
         """``n`` clean primary blocks, the same victims, moves and events as ``n`` calls of ``take_free``, booked in
         one pass: allocation is the ledger's hottest path."""
         out = self.eviction.take_n(PRIMARY, n)
-        stored = [i for i, b in enumerate(out) if b.node is not None]
+        # ``take_n`` empties the lowest level first: the blocks with no key (level 0) come before the stored ones
+        first = next((i for i, b in enumerate(out) if b.key is not None), n)
         if count_alloc:
             self.alloc_total += n
-            self.alloc_new += n - len(stored)   # a block has a key exactly while it is in the tree
-        if stored:
-            self._clean_n(out, stored)
+            self.alloc_new += first   # a block has a key exactly while it is in the tree
+        if first < n:
+            out[first:] = self._clean_n(out[first:])
         return out
 
-    def _clean_n(self, out: list[Block], stored: list[int]) -> None:
-        """Put a clean primary block at each position ``stored`` of ``out`` (claimed victims), as ``_clean`` does one
-        victim after another: the victims earning it move to the host tier in one run, the others are dropped.
+    def _clean_n(self, victims: list[Block]) -> list[Block]:
+        """Clean primary blocks in place of claimed stored ``victims``, in order, as ``_clean`` gives one victim after
+        another: the victims earning it move to the host tier in one run (the host blocks they swap with are
+        returned in their places), the others are dropped (and returned, clean).
 
         The host slots are the next ones ``take`` would claim there unless a victim moved before could come back
         as a later one's slot (the host tier has too few free blocks, or the victims' priorities are below those
@@ -132,22 +135,20 @@ class BlockPool:
         """
         evict = self.eviction
         min_priority = self.config.offload_min_priority
-        movers = [b for i in stored if (b := out[i]).priority >= min_priority] if evict.num_free(SECONDARY) else []
+        movers = [b for b in victims if b.priority >= min_priority] if evict.num_free(SECONDARY) else []
         k = len(movers)
         if k > 1 and not 0 <= evict.level_at(SECONDARY, k) <= min(map(_priority, movers[:-1])) + 1:
-            for i in stored:
-                out[i] = self._clean(out[i])
-            return
-        hosts = iter(evict.take_n(SECONDARY, k))
-        victims = [out[i] for i in stored]
-        dsts = [next(hosts) if k and b.priority >= min_priority else None for b in victims]
+            return [self._clean(b) for b in victims]
+        hosts = evict.take_n(SECONDARY, k)
+        every = k == len(victims)   # the common case: each victim swaps with the host block taken for it
+        more = iter(hosts)
+        dsts: list[Block | None] = hosts if every else [next(more) if k and b.priority >= min_priority else None
+                                                         for b in victims]
         self._move_n(victims, dsts, SECONDARY)
-        for i, d in zip(stored, dsts):
-            if d is not None:   # else the victim was dropped: it stays, clean
-                out[i] = d
         if k:
             evict.release_each(movers)
             self.offloaded += k
+        return hosts if every else [b if d is None else d for b, d in zip(victims, dsts)]
 
     def _move_n(self, blocks: list[Block], dsts: list[Block | None], to: int) -> None:
         """Book a run of tier moves in order, in one pass (eviction is a hot path; ``_offload`` and ``_swap_in``
@@ -156,11 +157,11 @@ class BlockPool:
         the copies are planned together, nothing is released."""
         window, frm = self.window, SECONDARY if to == PRIMARY else PRIMARY
         old, new = TIER_MEDIUM[frm], TIER_MEDIUM[to]
+        self.pools.plan_n(frm, [b.slot for b, d in zip(blocks, dsts) if d is not None], to,
+                          [d.slot for d in dsts if d is not None])
         events: list[KVEvent] = []
         put = events.append
         gone: list[Block] = []
-        srcs: list[int] = []
-        to_slots: list[int] = []
         for b, d in zip(blocks, dsts):
             if d is None:
                 put(BlockRemoved([b.block_hash], old, window))
@@ -169,18 +170,15 @@ class BlockPool:
             if d.node is not None:
                 put(BlockRemoved([d.block_hash], new, window))
                 gone.append(d)
-            srcs.append(b.slot)
-            to_slots.append(d.slot)
             b.slot, d.slot = d.slot, b.slot
             b.tier, d.tier = to, frm
-            if b.block_hash is not None:
-                put(BlockUpdated(block_hash=b.block_hash, old_medium=old, new_medium=new, group_idx=window))
+            if b.block_hash is not None:   # positional: ``block_hash, old_medium, new_medium, priorities, group``
+                put(BlockUpdated(b.block_hash, old, new, None, None, window))
         self.tree.detach_n(gone)
         wipe = self._wipe
         for b in gone:
             wipe(b)
         self.events.put_n(events)
-        self.pools.plan_n(frm, srcs, to, to_slots)
 
     def _clean(self, b: Block) -> Block:
         """A clean primary block in place of claimed stored victim ``b``: offloaded when its priority earns that and
@@ -206,10 +204,12 @@ class BlockPool:
         Unless a victim earns a move to the host tier, where it could take the slot an earlier onboard vacated
         (then block by block), the victims are dropped and the copies, events and host releases booked in one pass.
         """
+        if not blocks:
+            return
         evict = self.eviction
         dsts = evict.take_n(PRIMARY, len(blocks))
-        min_priority = self.config.offload_min_priority
-        if any(d.node is not None and d.priority >= min_priority for d in dsts):
+        top = dsts[-1]   # ``take_n`` goes up the levels: the last victim has the highest, if any is stored
+        if top.key is not None and top.priority >= self.config.offload_min_priority:
             for b, d in zip(blocks, dsts):
                 self._swap_in(b, d if d.node is None else self._clean(d))
         else:

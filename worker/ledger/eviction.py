@@ -62,7 +62,7 @@ class EvictionPolicy:
             lv = empty if key is None else b.priority + 1  # level_of(b), inlined: once per freed block
             if lv != level:
                 if tick > start:
-                    self._close_run(level, last, tick - start)
+                    self._close_run(PRIMARY, level, last, tick - start)
                 level, start = lv, tick
                 last = lists[level].sentinel.fl_prev
             if key is None:
@@ -74,30 +74,37 @@ class EvictionPolicy:
             last.fl_next = b
             last = b
         if tick > start:
-            self._close_run(level, last, tick - start)
+            self._close_run(PRIMARY, level, last, tick - start)
         self._tick = tick
         return empties
 
-    def _close_run(self, level: int, last: Block, run: int) -> None:
-        """Finish ``unref_n``'s run of ``run`` device blocks linked after the tail of a free list: ``last`` is the new
-        tail."""
-        lst = self._lists[PRIMARY][level]
+    def _close_run(self, tier: int, level: int, last: Block, run: int) -> None:
+        """Finish a run of ``run`` blocks of ``tier`` linked after the tail of a free list (``unref_n``,
+        ``release_each``): ``last`` is the new tail."""
+        lst = self._lists[tier][level]
         head = lst.sentinel
         last.fl_next = head
         head.fl_prev = last
         lst.size += run
-        self._mask[PRIMARY] |= 1 << level
-        self._free[PRIMARY] += run
+        self._mask[tier] |= 1 << level
+        self._free[tier] += run
 
     def claim(self, block: Block) -> None:
         """Take a free block out of its list (it is being used or moved)."""
-        assert block.level >= 0, f"block {block.block_id} claimed while not free"
-        lst = self._lists[block.tier][block.level]
-        lst.remove(block)
-        if lst.size == 0:
-            self._mask[block.tier] &= ~(1 << block.level)
-        block.level = -1
-        self._free[block.tier] -= 1
+        self.claim_each((block,))
+
+    def claim_each(self, blocks: Sequence[Block]) -> None:
+        """``claim`` each free block, in one pass (holding a matched prefix claims a block per matched block)."""
+        lists, mask, free = self._lists, self._mask, self._free
+        for b in blocks:
+            tier, level = b.tier, b.level
+            assert level >= 0, f"block {b.block_id} claimed while not free"
+            lst = lists[tier][level]
+            lst.remove(b)
+            if not lst.size:
+                mask[tier] &= ~(1 << level)
+            b.level = -1
+            free[tier] -= 1
 
     def take(self, tier: int) -> Block | None:
         """Claim the block to reuse next in ``tier``, the head of its lowest non-empty level; ``None`` when none is
@@ -155,18 +162,28 @@ class EvictionPolicy:
         return -1
 
     def release_each(self, blocks: Sequence[Block]) -> None:
-        """Make each unreferenced block available, in order, as the most recently used of its level."""
-        lists, mask, free = self._lists, self._mask, self._free
-        tick = self._tick
+        """Make each unreferenced block available, in order, as the most recently used of its level; each run of one
+        tier and level is linked onto the tail of its list as it is walked (a batch of tier moves releases one)."""
+        lists = self._lists
+        tick = start = self._tick
+        tier = level = -1
+        last = None
         for b in blocks:
             assert b.level < 0, f"block {b.block_id} released twice"
-            tier, level = b.tier, EMPTY_LEVEL if b.key is None else b.priority + 1   # level_of(b), inlined
-            lists[tier][level].append(b)
-            b.level = level
+            lv = EMPTY_LEVEL if b.key is None else b.priority + 1   # level_of(b), inlined
+            if lv != level or b.tier != tier:
+                if tick > start:
+                    self._close_run(tier, level, last, tick - start)
+                tier, level, start = b.tier, lv, tick
+                last = lists[tier][level].sentinel.fl_prev
+            b.level = lv
             b.freed_at = tick
             tick += 1
-            mask[tier] |= 1 << level
-            free[tier] += 1
+            b.fl_prev = last
+            last.fl_next = b
+            last = b
+        if tick > start:
+            self._close_run(tier, level, last, tick - start)
         self._tick = tick
 
     def requeue(self, blocks: list[Block]) -> None:

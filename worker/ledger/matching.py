@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import islice, repeat
 from operator import itemgetter
 
 from kvledger.worker.ledger.block import PLACEHOLDER, Block
@@ -31,7 +32,8 @@ class Match:
     partial_len: int = 0
     in_place: bool = False
     keys: list[BlockKey] | None = None
-    """The prompt's block keys (the trailing partial block included), reused by the store."""
+    """The prompt's block keys in order, reused by the store: every one (the trailing partial block's included), or,
+    for a prompt without extra ids or multimodal items, those of the matched blocks and the next block."""
     windows: list[list[Block]] | None = None
     """Every window's blocks of the matched positions, ``full`` first; ``None`` for one full-attention window."""
     window_held: list[list[Block]] | None = None
@@ -55,18 +57,19 @@ def match_prompt(tree: PrefixTree, windows: Seq[WindowManager], tokens: Seq[int]
     T = windows[0].tokens_per_block
     usable = len(tokens) - 1
     n_full = usable // T
-    keys = block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt, mm_keys=mm_keys,
-                      extra_ids=extra_ids, include_partial=True)
     if len(windows) > 1 or windows[0].size is not None:
-        return _match_windows(tree, windows, keys, n_full)
-    node = tree.root
-    full: list[Block] = []
-    for key in keys[:n_full]:
-        child = node.children.get(key)
-        if child is None or child.block is None or child.block.block_id in taken:
-            break
-        full.append(child.block)
-        node = child
+        return _match_windows(tree, windows, block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt,
+                                                        mm_keys=mm_keys, extra_ids=extra_ids, include_partial=True),
+                              n_full)
+    if mm_keys or extra_ids is not None:
+        keys = block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt, mm_keys=mm_keys, extra_ids=extra_ids,
+                          include_partial=True)
+        node, full = _walk(tree.root, keys[:n_full], taken)
+    else:
+        node, full, keys = _walk_plain(tree.root, tokens, T, n_full, lora_id, cache_salt, taken)
+        # the next block's key, for a partial match; the store builds the rest when it needs them (``ensure_keys``)
+        keys += block_keys(tokens[len(full) * T:(len(full) + 1) * T], T, lora_id=lora_id, cache_salt=cache_salt,
+                           include_partial=True)
     m = Match(full, keys=keys)
     limit = min(T, usable - len(full) * T)
     if partial and limit > 0 and len(full) < len(keys):
@@ -74,6 +77,44 @@ def match_prompt(tree: PrefixTree, windows: Seq[WindowManager], tokens: Seq[int]
         if cand is not None:  # a block taken in place by an earlier request can still be copied
             m.partial, m.partial_len = cand.block, n
     return m
+
+
+def _walk(node: TreeNode, keys: list[BlockKey], taken: set[int] | frozenset[int]) -> tuple[TreeNode, list[Block]]:
+    """Follow ``keys`` from ``node`` while each child holds a block not ``taken``: the last node and the blocks."""
+    full: list[Block] = []
+    for key in keys:
+        child = node.children.get(key)
+        if child is None or child.block is None or child.block.block_id in taken:
+            break
+        full.append(child.block)
+        node = child
+    return node, full
+
+
+def _walk_plain(node: TreeNode, tokens: Seq[int], T: int, n_full: int, lora_id: int | None, cache_salt: str | None,
+                taken: set[int] | frozenset[int]) -> tuple[TreeNode, list[Block], list[BlockKey]]:
+    """``_walk`` for a prompt without per-token extra ids or multimodal items, building no key: each block's tokens
+    (a tuple made by ``zip``, in C) are compared with the one child's key where the node has one (a chain), else
+    looked up as the plain tuple of the key's fields (a key equals it, hash and all). Keeping no new object per
+    matched block is most of what matching a long prompt cost; the matched nodes' own keys are returned."""
+    full: list[Block] = []
+    keys: list[BlockKey] = []
+    for tk in islice(zip(*repeat(iter(tokens), T)), n_full):
+        children = node.children
+        if len(children) == 1:
+            (child,) = children.values()
+            if child.key != (tk, None, lora_id, (), cache_salt):
+                break
+        else:
+            child = children.get((tk, None, lora_id, (), cache_salt))
+            if child is None:
+                break
+        if child.block is None or child.block.block_id in taken:
+            break
+        full.append(child.block)
+        keys.append(child.key)
+        node = child
+    return node, full, keys
 
 
 def _match_windows(tree: PrefixTree, windows: Seq[WindowManager], keys: list[BlockKey], n_full: int) -> Match:

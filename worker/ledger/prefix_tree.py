@@ -117,10 +117,11 @@ class PrefixTree:
         while node.parent is not None and node.block is None and not node.children and (
                 node.others is None or not any(node.others)):
             parent, key = node.parent, node.key
-            del parent.children[key]
-            if not parent.children:   # the only child (a chain's node): no bucket to look up
+            if len(parent.children) == 1:   # the only child (a chain's node): no key to hash, no bucket to look up
+                parent.children.clear()
                 parent.by_bucket.clear()
             else:
+                del parent.children[key]
                 where = _bucket(key)
                 bucket = parent.by_bucket[where]
                 bucket.remove(node)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NewType
+from dataclasses import dataclass
+from itertools import islice, repeat
+from typing import NamedTuple, NewType
 
 import msgpack
 
@@ -37,28 +38,20 @@ class MmKey:
             raise ValueError(f"MmKey needs start >= 0 and length > 0, got start={self.start!r} length={self.length!r}")
 
 
-@dataclass(slots=True)
-class BlockKey:
-    """Everything the KV of one block depends on besides the blocks before it."""
+class BlockKey(NamedTuple):
+    """Everything the KV of one block depends on besides the blocks before it.
+
+    A tuple, so that the prefix tree's lookups hash and compare keys in C: a key is looked up several times
+    (matched, stored, pruned), and a Python ``__hash__``/``__eq__`` per lookup was a large part of matching a long
+    prompt. Like any tuple it equals a plain tuple of the same fields; the tree only ever holds keys. Its hash is
+    Python's, so a key that crossed a process hashes anew there.
+    """
 
     tokens: tuple[int, ...]
     extra_ids: tuple[int, ...] | None = None
     lora_id: int | None = None
     mm_keys: tuple[tuple[str, int], ...] = ()
     cache_salt: str | None = None
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-    """Python's hash of the fields, kept: a key is looked up in the prefix tree several times (matched, stored,
-    pruned), and hashing its tokens each time was a large part of storing a block. Never pickled (it differs
-    per process); 0 until first asked."""
-
-    def __hash__(self) -> int:
-        h = self._hash
-        if not h:
-            h = self._hash = hash((self.tokens, self.extra_ids, self.lora_id, self.mm_keys, self.cache_salt))
-        return h
-
-    def __reduce__(self) -> tuple[type[BlockKey], tuple[object, ...]]:
-        return BlockKey, (self.tokens, self.extra_ids, self.lora_id, self.mm_keys, self.cache_salt)
 
     def same_constraints(self, other: BlockKey) -> bool:
         """Whether ``other`` may stand in for this key once its tokens match."""
@@ -82,7 +75,6 @@ class BlockKey:
         return n
 
 
-_INT_ONLY = {int}
 _PACKER = msgpack.Packer()
 
 
@@ -110,7 +102,8 @@ def validate_prompt(tokens: Sequence[int], lora_id: int | None, cache_salt: str 
     """Raise ``TypeError``/``ValueError`` naming the first bad field of a prompt."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    if not (tokens and type(tokens) is list and set(map(type, tokens)) == _INT_ONLY and _unsigned(tokens)):
+    if not (tokens and type(tokens) is list and list(map(type, tokens)).count(int) == len(tokens)
+            and _unsigned(tokens)):   # the fast check, in C (counting the types beats a set of them)
         for i, t in enumerate(tokens):
             if not _is_int(t) or t < 0:
                 raise ValueError(f"tokens[{i}] must be a non-negative int, got {t!r}")
@@ -134,15 +127,19 @@ def block_keys(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int | N
                extra_ids: Sequence[int] | None = None, start_block: int = 0,
                include_partial: bool = False) -> list[BlockKey]:
     """Keys of the blocks of ``tokens`` from ``start_block`` on; the trailing partial block only if asked."""
-    n = len(tokens)
-    end = -(-n // tokens_per_block) if include_partial else n // tokens_per_block
-    if not mm_keys and extra_ids is None:
-        return [BlockKey(tuple(tokens[lo:lo + tokens_per_block]), None, lora_id, (), cache_salt)
-                for lo in range(start_block * tokens_per_block, n if include_partial else end * tokens_per_block,
-                                tokens_per_block)]
+    n, T = len(tokens), tokens_per_block
+    if not mm_keys and extra_ids is None:   # the common case, keys built in C: each block's token tuple by ``zip``
+        start = start_block * T
+        new = tuple.__new__
+        keys = [new(BlockKey, (t, None, lora_id, (), cache_salt))
+                for t in zip(*repeat(islice(tokens, start, None) if start else iter(tokens), T))]
+        if include_partial and n % T and start < n:
+            keys.append(BlockKey(tuple(tokens[n - n % T:]), None, lora_id, (), cache_salt))
+        return keys
+    end = -(-n // T) if include_partial else n // T
     keys = []
     for b in range(start_block, end):
-        lo, hi = b * tokens_per_block, min(n, (b + 1) * tokens_per_block)
+        lo, hi = b * T, min(n, (b + 1) * T)
         mm = tuple((m.content_hash, lo - m.start) for m in mm_keys if m.start < hi and lo < m.start + m.length)
         keys.append(BlockKey(tuple(tokens[lo:hi]), None if extra_ids is None else tuple(extra_ids[lo:hi]),
                              lora_id, mm, cache_salt))
@@ -155,8 +152,7 @@ def chain_hashes(keys: Sequence[BlockKey], parent: int = ROOT_HASH) -> list[Bloc
     pack, blake2b, from_bytes = _PACKER.pack, hashlib.blake2b, int.from_bytes   # hashing every block: hot
     out = []
     for key in keys:
-        parent = from_bytes(blake2b(pack((parent, key.tokens, key.extra_ids, key.lora_id, key.mm_keys,
-                                          key.cache_salt)), digest_size=8).digest(), "big")
+        parent = from_bytes(blake2b(pack((parent, *key)), digest_size=8).digest(), "big")
         out.append(parent)
     return out
 

@@ -7,18 +7,22 @@
     admission: allocation, tree, events and copies) >= 0.8 of it; the ratio of
     the tier copies alone (the pools' ``flush``, where planned copies run) is
     printed beside it, and the books' own time (with the books minus the tier
-    copy) per block the admission takes. Each ledger run is timed next to its
+    copy) per block the admission takes; first, the books of a 1-block
+    admission under the same cold caches: the part of them that does not grow
+    with the blocks. Each ledger run is timed next to its
     plain copies, so that a pair shares the machine's state.
 (b) Migration of N blocks from rank 0 to rank 1 (two rank actors on a local
     Ray, gloo on CPUs, NCCL on GPUs): ``Migrator.migrate`` end to end (one call
-    per side launched together: the pin, the negotiation, the allocation, the
-    pieces, scatters where the target's slots are not one run, the target
-    storing the blocks), against one ``send``/``recv`` of a contiguous tensor of
-    the same bytes between the same two actors (rank workers with a raw send
-    and receive added, ``RawTransferWorker`` below), dispatched the same way, in
-    the same run. Goal: end to end >= 0.8 of it; the move alone (the target's
-    time from its allocation to its blocks stored) is printed beside it, and
-    each rank's transfer counts (pieces, copies) after the runs.
+    per side launched together: the pin, the source's slots, the allocation,
+    the target's answer with its own slots, the pieces cut alike on both sides
+    and moved from pool to pool, the target storing the blocks, which it does
+    while its reply travels, its books locked until then), against one
+    ``send``/``recv`` of a contiguous tensor of the same bytes between the same
+    two actors (rank workers with a raw send and receive added,
+    ``RawTransferWorker`` below), dispatched the same way, in the same run.
+    Goal: end to end >= 0.8 of it; the move alone (the target's time from its
+    receives posted to its last piece in) is printed beside it, and each rank's
+    transfer counts (pieces, copies) after the runs.
 
     python benchmarks/bench_transfer.py [--blocks 64 512] [--reps 5] [--device auto] [--skip-tiers]
         [--skip-migration]

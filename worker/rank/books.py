@@ -5,11 +5,16 @@ report), so serving, probing, publishing and the migration endpoints all meet
 here: whoever touches the ledger holds ``lock``. The ledger is built only once
 the ranks agreed on its block counts; until then (and after a restart) every
 call that needs it raises ``RankNotReadyError``.
+
+A step may also run under the lock after its caller returned (``defer``): the
+lock is taken at once and handed to the books thread, so a migration's target
+returns while it stores what it received, and every later call waits for it.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +51,33 @@ class RankBooks:
         self._local_counts: tuple[int, ...] | None = None
         self.faults = CrashPoints(rank)
         """Crashes armed on purpose (``RankWorker.arm_crash``); every part of the rank reports its points here."""
+        self._deferred: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._books_thread: threading.Thread | None = None
+
+    def defer(self, step: Callable[[], None]) -> None:
+        """Run ``step`` under ``lock`` on the books thread, the lock taken here and now (waiting for it like any
+        caller): the caller returns, and its reply travels, while ``step`` runs, and whoever touches the ledger
+        next waits until ``step`` is done. A ``step`` that raises is logged (it runs after its caller returned)."""
+        self.lock.acquire()
+        try:
+            if self._books_thread is None:
+                self._books_thread = threading.Thread(target=self._run_deferred, name=f"rank-{self.rank}-books",
+                                                      daemon=True)
+                self._books_thread.start()
+            self._deferred.put(step)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _run_deferred(self) -> None:
+        while True:
+            step = self._deferred.get()
+            try:
+                step()
+            except Exception:
+                logger.exception("rank %d: a deferred ledger step failed", self.rank)
+            finally:
+                self.lock.release()
 
     def local_block_counts(self) -> tuple[int, ...]:
         """Blocks that fit this rank's budget: (device tier, host tier), and so on for every further attention window

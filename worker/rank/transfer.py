@@ -3,23 +3,26 @@
 The steps (pin, allocate what the target lacks, move, store, release) are
 written once; two choreographies call them. Between rank actors each side runs
 a whole migration in one call (``send_prefix`` on the source, ``receive_prefix``
-on the target, launched together), negotiating over the process group: the
-source sends the slots of the blocks it pinned while the target says how many
-of them it holds already (the two messages cross, so neither side waits for the
-other's), then the source sends the rest in the pieces ``transfer_plan`` cuts
-while the target allocates them, gives its fresh blocks slots that run along
-the source's, and receives. In-process ranks and ledgers that keep only the books
-are driven step by step by ``kvledger.coordinator.migration`` (``export_begin``,
-``export_read`` / ``import_write`` for a tensor handed over, or
-``import_commit`` with no bytes at all, ``export_end``, ``import_abort``).
+on the target, launched together), negotiating over the process group in two
+messages: the source sends the slots of the blocks it pinned; the target
+allocates the blocks it lacks, gives them slots that run along the source's,
+posts their receives and answers how many it holds already and where the
+others go. The source then sends, each piece at once (gloo sends a message as
+soon as its receive is posted, else it waits for the receiver's notice), in the
+pieces ``transfer_plan`` cuts alike on both sides, straight from one pool into
+the other. The target stores what it received while its reply travels.
+In-process ranks and ledgers that keep only the books are driven step by step
+by ``kvledger.coordinator.migration`` (``export_begin``, ``export_read`` /
+``import_write`` for a tensor handed over, or ``import_commit`` with no bytes
+at all, ``export_end``, ``import_abort``).
 
 The ledger is touched only under the rank's lock, while the bytes move outside
 it, into blocks the ledger holds for the transfer: pinned on the source, a
 running import sequence on the target. So a rank blocked in a ``recv`` still
 serves, probes and reports. Whatever fails, each side undoes its own step (the
 pin is released, the import aborted): no block whose KV was not written is
-ever stored, nothing stays pinned, and a side that fails still sends its part
-of the negotiation, so its peer is not left waiting.
+ever stored, nothing stays pinned, and a side that fails before its message
+still sends one (saying there is nothing), so its peer is not left waiting.
 """
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ def contiguous_view(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor | 
 
 def header_blocks(num_tokens: int, tokens_per_block: int, max_blocks: int | None) -> int:
     """The most blocks a source can pin for a prompt of ``num_tokens`` (the full blocks of all but its last
-    token, at most ``max_blocks``): both sides size the negotiation's first message by it."""
+    token, at most ``max_blocks``): both sides size the negotiation's two messages by it."""
     full = max(0, (num_tokens - 1) // tokens_per_block)
     return full if max_blocks is None else min(full, max_blocks)
 
@@ -245,39 +248,45 @@ class TransferEndpoints:
         """Source of a migration to ``dst_rank`` (which runs ``receive_prefix`` with the same arguments).
 
         Pins the prefix blocks of ``tokens`` this rank holds and sends their
-        slots while the target says how many of them it holds already (the two
-        messages cross), then sends the blocks past the target's, in the pieces
-        ``transfer_plan`` cuts; releases the pin whatever happens. ``tag`` names
-        the migration's messages (gloo keeps migrations with different tags
-        apart, so two coordinators moving blocks between the same ranks do not
-        take each other's messages).
+        slots; the target answers how many of them it holds already and where
+        the others go, its receives already posted, and the blocks past its own
+        go in the pieces ``transfer_plan`` cuts; releases the pin whatever
+        happens. ``tag`` names the migration's messages (gloo keeps migrations
+        with different tags apart, so two coordinators moving blocks between the
+        same ranks do not take each other's messages).
         """
         with self._taking_part(tag):
             return self._send_prefix(tokens, dst_rank, max_blocks, lora_id, cache_salt, tag)
 
     def _send_prefix(self, tokens: Sequence[int], dst_rank: int, max_blocks: int | None, lora_id: int | None,
                      cache_salt: str | None, tag: int) -> PrefixMoved:
-        limit = header_blocks(len(tokens), self.books.template.tokens_per_block, max_blocks)
+        size = 1 + header_blocks(len(tokens), self.books.template.tokens_per_block, max_blocks)
         ctl = self._control_device()
-        held = torch.empty(1, dtype=torch.int64, device=ctl)
         try:
+            pools = self._pools()
             ticket = self.export_begin(tokens, max_blocks, lora_id, cache_salt)
         except BaseException:
-            self._refuse(held, 1 + limit, dst_rank, tag)
+            self._refuse(size, dst_rank, tag)
             raise
         try:
             slots = self._held[ticket.pin_id]
-            assert len(slots) <= limit, f"pinned {len(slots)} blocks of a prompt with {limit} full blocks"
-            sent, got = _cross(_message(len(slots), slots, 1 + limit, ctl), held, dst_rank, tag)
+            assert len(slots) < size, f"pinned {len(slots)} blocks of a prompt with {size - 1} full blocks"
+            header = _message(len(slots), slots, size, ctl)
+            if not slots:   # the target asks nothing of a source that holds nothing
+                _wait_all([dist.isend(header, dst=dst_rank, tag=tag)])
+                return PrefixMoved(0, 0, 0, 0.0)
+            reply = torch.empty(size, dtype=torch.int64, device=ctl)
+            sent, got = _cross(header, reply, dst_rank, tag)
             works = [sent]
             got.wait()
-            start = min(int(held[0]), len(slots))
+            start = min(int(reply[0]), len(slots))
             if start < 0 or start == len(slots):   # the target failed (it reports why), or holds them all
                 _wait_all(works)
                 return PrefixMoved(len(slots), 0, 0, 0.0)
+            dst = reply[1:1 + len(slots) - start].tolist()
             self.books.faults.reached("migration_source")
             t0 = time.perf_counter()
-            nbytes = self._send_pieces(slots[start:], dst_rank, tag, works)
+            nbytes = self._send_pieces(pools, slots[start:], dst, dst_rank, tag, works)
             return PrefixMoved(len(slots), len(slots) - start, nbytes, time.perf_counter() - t0)
         finally:
             self.export_end(ticket.pin_id)
@@ -286,58 +295,50 @@ class TransferEndpoints:
                        lora_id: int | None = None, cache_salt: str | None = None, tag: int = 0) -> PrefixMoved:
         """Target of a migration from ``src_rank`` (which runs ``send_prefix`` with the same arguments).
 
-        Tells the source how many of the prompt's blocks this rank holds, learns
-        the source's pinned slots, allocates the blocks it lacks (sharing the
-        prefix it holds), receives them and stores them (reusable, announced with
-        ``BlockStored``). On any failure the import is aborted: nothing unwritten
-        is ever stored. Should the blocks this rank holds change in between (one
-        stored or evicted meanwhile), what it holds now is what it keeps: blocks
-        it gained are received and dropped, and blocks it lost make the migration
-        fail, with nothing stored.
+        Learns the source's pinned slots, allocates the blocks it lacks
+        (sharing the prefix it holds), gives them slots that run along the
+        source's, posts their receives and only then answers where they go (so
+        every piece leaves the source at once), receives them and stores them
+        (reusable, announced with ``BlockStored``) while its reply travels: the
+        books' lock is taken before it returns, so no later call sees the books
+        before the store. On any failure the import is aborted: nothing unwritten
+        is ever stored.
         """
         with self._taking_part(tag):
             return self._receive_prefix(tokens, src_rank, max_blocks, lora_id, cache_salt, tag)
 
     def _receive_prefix(self, tokens: Sequence[int], src_rank: int, max_blocks: int | None, lora_id: int | None,
                         cache_salt: str | None, tag: int) -> PrefixMoved:
-        T = self.books.template.tokens_per_block
-        limit = header_blocks(len(tokens), T, max_blocks)
+        size = 1 + header_blocks(len(tokens), self.books.template.tokens_per_block, max_blocks)
         ctl = self._control_device()
-        header = torch.empty(1 + limit, dtype=torch.int64, device=ctl)
-        try:
-            with self.books.lock:
-                have = min(self.books.ledger().probe_prefix_match_length(tokens, lora_id=lora_id,
-                                                                         cache_salt=cache_salt) // T, limit)
-        except BaseException:
-            self._refuse(header, 1, src_rank, tag)
-            raise
-        _wait_all(_cross(torch.full((1,), have, dtype=torch.int64, device=ctl), header, src_rank, tag))
+        header = torch.empty(size, dtype=torch.int64, device=ctl)
+        _wait_all([dist.irecv(header, src=src_rank, tag=tag)])
         n = int(header[0])
-        start = min(have, n)
-        if n <= start:   # nothing to receive; or the source failed (it reports why)
+        if n <= 0:   # nothing to receive; or the source failed (it reports why)
             return PrefixMoved(max(n, 0), 0, 0, 0.0)
-        src_slots = header[1 + start:1 + n].tolist()
-        try:
+        src_slots = header[1:1 + n].tolist()
+        try:   # until the answer goes, a failure answers -1, so that the source is not left waiting for it
+            pools = self._pools()
             ticket = self.import_begin(tokens, n, lora_id, cache_salt)
         except BaseException:
-            self._receive_quietly(src_slots, src_rank, tag)
+            self._refuse(size, src_rank, tag)
+            raise
+        start = n - ticket.blocks
+        if not ticket.blocks:   # it holds them all (the import is over already)
+            _wait_all([dist.isend(_message(n, [], size, ctl), dst=src_rank, tag=tag)])
+            return PrefixMoved(n, 0, 0, 0.0)
+        try:
+            slots = self._align(ticket.import_id, start, src_slots[start:])
+            self.books.faults.reached("migration_target")
+        except BaseException:
+            self.import_abort(ticket.import_id)
+            self._refuse(size, src_rank, tag)
             raise
         try:
-            slots = self._held.get(ticket.import_id, [])
-            first_new = n - len(slots)
-            self.books.faults.reached("migration_target")
             t0 = time.perf_counter()
-            if first_new < start:   # a block held when the source was told is gone: the chain has a gap
-                self._receive_pieces(src_slots, [None] * (n - start), src_rank, tag)
-                raise RuntimeError(f"rank {self.books.rank} lost prefix blocks {first_new}..{start - 1} during "
-                                   f"the migration from rank {src_rank}; nothing was stored")
-            if slots:
-                slots = self._align(ticket.import_id, first_new, src_slots[first_new - start:])
-            dst = [None] * (first_new - start) + slots   # blocks gained meanwhile are dropped
-            nbytes = self._receive_pieces(src_slots, dst, src_rank, tag)
-            if slots:
-                with self.books.lock:
-                    self._store(ticket.import_id)
+            nbytes = self._receive_pieces(pools, src_slots[start:], slots, src_rank, tag,
+                                          _message(start, slots, size, ctl))
+            self.books.defer(lambda: self._store(ticket.import_id))
             return PrefixMoved(n, n - start, nbytes, time.perf_counter() - t0)
         except BaseException:
             self.import_abort(ticket.import_id)
@@ -361,18 +362,18 @@ class TransferEndpoints:
             raise ValueError(f"rank {self.books.rank} keeps no KV tensors: there are no bytes to send or receive")
         return pools
 
-    def _send_pieces(self, src: list[int], dst_rank: int, tag: int, works: list) -> int:
+    def _send_pieces(self, pools: list[torch.Tensor], src: list[int], dst: list[int], dst_rank: int, tag: int,
+                     works: list) -> int:
         """Post every piece's sends (gathering a piece that is not one run just before its send, while earlier
         ones are on the wire), then wait for all, ``works`` posted before too; returns the bytes sent."""
-        pools = self._pools()
-        pieces = self._plan(src, pools)
+        pieces = self._plan(src, dst, pools)
         bufs = _PieceBuffers(pools, [[src[i] for i in p] for p in pieces], self._send_staging)
         try:
             copies = 0
             for i in range(len(pieces)):
                 copies += bufs.gather(i)
                 works.extend(dist.isend(v, dst=dst_rank, tag=tag) for v in bufs.views[i])
-            _wait_all(works)
+            _wait_all(works[::-1])   # a pair's messages complete in order: the last one's wait covers the rest
             self._count(copies, len(pieces), sent=True)
             return bufs.nbytes
         except BaseException:
@@ -381,47 +382,46 @@ class TransferEndpoints:
         finally:
             bufs.release()
 
-    def _receive_pieces(self, src: list[int], dst: list[int | None], src_rank: int, tag: int) -> int:
-        """Receive the blocks from source slots ``src`` into target slots ``dst`` (``None``: drop it), in the
-        source's pieces: post every receive, then wait for each piece in turn and scatter it while later ones
-        arrive; returns the bytes received."""
-        pools = self._pools()
-        pieces = self._plan(src, pools)
+    def _receive_pieces(self, pools: list[torch.Tensor], src: list[int], dst: list[int], src_rank: int, tag: int,
+                        go: torch.Tensor) -> int:
+        """Receive the blocks from source slots ``src`` into target slots ``dst``, in the pieces both sides cut
+        alike: post every receive, then send ``go`` (the answer the source waits for, in the same batch: NCCL
+        runs a pair's operations in order), then wait, scattering each staged piece while later ones arrive;
+        returns the bytes received."""
+        pieces = self._plan(src, dst, pools)
         bufs = _PieceBuffers(pools, [[dst[i] for i in p] for p in pieces], self._recv_staging)
-        works = [[dist.irecv(v, src=src_rank, tag=tag) for v in views] for views in bufs.views]
+        ops = [dist.P2POp(dist.irecv, v, src_rank, tag=tag) for views in bufs.views for v in views]
+        posted = dist.batch_isend_irecv([*ops, dist.P2POp(dist.isend, go, src_rank, tag=tag)])
+        per_piece = [len(views) for views in bufs.views]
+        works = [posted[sum(per_piece[:i]):sum(per_piece[:i + 1])] for i in range(len(pieces))]
         try:
             copies = 0
             for i, piece_works in enumerate(works):
-                _wait_all(piece_works)
-                copies += bufs.scatter(i)
+                if bufs.pairs[i] is not None:   # a staged piece is scattered while later ones arrive
+                    _wait_all(piece_works)
+                    copies += bufs.scatter(i)
+            _wait_all(posted[::-1])   # a pair's messages complete in order: the last one's wait covers the rest
             self._count(copies, len(pieces), sent=False)
             return bufs.nbytes
         except BaseException:
-            _wait_quietly([w for piece_works in works for w in piece_works])
+            _wait_quietly(posted)
             raise
         finally:
             bufs.release()
 
-    def _receive_quietly(self, src: list[int], src_rank: int, tag: int) -> None:
-        """Take (and drop) the blocks a source is sending to a side that failed, so that it is not left waiting;
-        a channel that is gone already is logged, not raised over the failure being reported."""
+    def _refuse(self, size: int, peer: int, tag: int) -> None:
+        """A side that failed before it answered: send ``size`` entries of -1 (there is nothing), so that the peer,
+        waiting for that message, is not left waiting; a channel that is gone already is logged, not raised over
+        the failure being reported."""
         try:
-            self._receive_pieces(src, [None] * len(src), src_rank, tag)
-        except Exception as e:
-            logger.warning("rank %d: could not drain the migration from rank %d: %s", self.books.rank, src_rank, e)
-
-    def _refuse(self, incoming: torch.Tensor, size: int, peer: int, tag: int) -> None:
-        """A side that failed before its first message: send ``size`` entries of -1 (there is nothing), and take
-        the peer's first message into ``incoming``, so that neither side is left waiting; a channel that is gone
-        already is logged, not raised over the failure being reported."""
-        try:
-            _wait_all(_cross(torch.full((size,), -1, dtype=torch.int64, device=incoming.device), incoming, peer, tag))
+            _wait_all([dist.isend(torch.full((size,), -1, dtype=torch.int64, device=self._control_device()),
+                                  dst=peer, tag=tag)])
         except Exception as e:
             logger.warning("rank %d: could not tell rank %d that the migration failed: %s", self.books.rank, peer, e)
 
-    def _plan(self, src: list[int], pools: list[torch.Tensor]) -> list[list[int]]:
+    def _plan(self, src: list[int], dst: list[int], pools: list[torch.Tensor]) -> list[list[int]]:
         block_bytes = sum(p[0].numel() * p.element_size() for p in pools)
-        return plan_pieces(src, chunk_blocks=max(1, PIPELINE_BYTES // block_bytes))
+        return plan_pieces(src, chunk_blocks=max(1, PIPELINE_BYTES // block_bytes), dst=dst)
 
     def _count(self, copies: int, pieces: int, sent: bool) -> None:
         c, staged = self.counts, copies > 0

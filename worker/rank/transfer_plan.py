@@ -4,18 +4,18 @@ A block goes from a source slot to a target slot; the order the blocks travel
 in is free, so the plan picks it: the source's slots in ascending order, so
 that runs of adjacent slots (free lists hand them out in runs, often descending
 ones: a sequence's blocks are freed last block first) become pieces sent
-straight from the source's pool, one message each. The plan depends on the
-source's slots alone, which the target learns from the source's first message,
-so the source never waits for the target's slots before it sends. The target's
-fresh blocks hold nothing yet, so which of them takes which block is free too:
+straight from the source's pool, one message each. The target's fresh blocks
+hold nothing yet, so which of them takes which block is free too:
 ``aligned_slots`` hands them out so that the target's slots ascend along the
-source's, and wherever both sides' slots run, the target receives a piece
-straight into its pool; elsewhere into a staging buffer it scatters from.
+source's. The target answers with those slots before anything is sent, so both
+sides cut the same pieces where either side's slots stop running, and each
+piece goes from one pool slice straight into the other.
 
-Pieces are cut at ``chunk_blocks`` so that a target's scatter of piece ``i``
-overlaps the arrival of piece ``i + 1``; when the source's runs alone would
+Pieces are cut at ``chunk_blocks`` too, so that a side's copies of one piece
+(when it has any) overlap the next one on the wire; when the runs alone would
 take more than ``max_pieces`` messages, the blocks go in fixed chunks of the
-same order instead and the source gathers the chunks that are not one run.
+same order instead, and a side gathers (or scatters) the chunks that are not
+one run in its pool.
 """
 from __future__ import annotations
 
@@ -30,13 +30,19 @@ def is_run(slots: Sequence[int]) -> bool:
     return all(b == a + 1 for a, b in zip(slots, slots[1:]))
 
 
-def plan_pieces(src: Sequence[int], chunk_blocks: int, max_pieces: int = MAX_PIECES) -> list[list[int]]:
-    """The pieces that carry blocks with source slots ``src``: each piece a list of indices into ``src``, in
-    the order they travel (see the module docstring); ``[]`` when there are none."""
+def plan_pieces(src: Sequence[int], chunk_blocks: int, max_pieces: int = MAX_PIECES,
+                dst: Sequence[int] | None = None) -> list[list[int]]:
+    """The pieces that carry blocks with source slots ``src`` (into target slots ``dst``, one each, when given):
+    each piece a list of indices into ``src``, in the order they travel (see the module docstring); ``[]`` when
+    there are none."""
     if type(chunk_blocks) is not int or chunk_blocks < 1 or type(max_pieces) is not int or max_pieces < 1:
         raise ValueError(f"chunk_blocks and max_pieces must be ints >= 1, got {chunk_blocks!r} and {max_pieces!r}")
+    if dst is not None and len(dst) != len(src):
+        raise ValueError(f"plan_pieces needs one target slot per source slot, got {len(dst)} for {len(src)}")
     order = sorted(range(len(src)), key=src.__getitem__)
-    starts = [i for i in range(len(order)) if i == 0 or src[order[i]] != src[order[i - 1]] + 1]
+    sides = [src] if dst is None else [src, dst]
+    starts = [i for i in range(len(order))
+              if i == 0 or any(s[order[i]] != s[order[i - 1]] + 1 for s in sides)]
     bounds = [*starts, len(order)]
     cuts = [c for a, b in zip(bounds, bounds[1:]) for c in range(a, b, chunk_blocks)]
     if len(cuts) > max_pieces:

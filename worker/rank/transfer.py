@@ -392,8 +392,8 @@ class TransferEndpoints:
         bufs = _PieceBuffers(pools, [[dst[i] for i in p] for p in pieces], self._recv_staging)
         ops = [dist.P2POp(dist.irecv, v, src_rank, tag=tag) for views in bufs.views for v in views]
         posted = dist.batch_isend_irecv([*ops, dist.P2POp(dist.isend, go, src_rank, tag=tag)])
-        per_piece = [len(views) for views in bufs.views]
-        works = [posted[sum(per_piece[:i]):sum(per_piece[:i + 1])] for i in range(len(pieces))]
+        ends = list(itertools.accumulate(len(views) for views in bufs.views))
+        works = [posted[end - len(views):end] for end, views in zip(ends, bufs.views)]
         try:
             copies = 0
             for i, piece_works in enumerate(works):

@@ -11,7 +11,7 @@ compute it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvledger.router.index import PrefixIndex
@@ -22,7 +22,7 @@ from kvledger.worker.wire.block_key import MmKey, block_hashes
 class PrefixMatch:
     """One rank's longest held prefix of a prompt (any tier), and how many of those blocks sit on the host tier.
 
-    Frozen, since one is shared by every rank and probe with that match (``_match`` makes each once).
+    Frozen, since one is shared by every rank and probe with that match (``_matcher`` makes each once).
     """
 
     matched_blocks: int
@@ -34,10 +34,16 @@ class PrefixMatch:
         return self.matched_blocks - self.host_blocks
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _match(tokens_per_block: int, blocks: int, host_blocks: int) -> PrefixMatch:
-    """The ``PrefixMatch`` of these figures, made once: a probe answers with a few distinct ones."""
-    return PrefixMatch(blocks, blocks * tokens_per_block, host_blocks)
+@functools.cache
+def _matcher(tokens_per_block: int) -> Callable[[int, int], PrefixMatch]:
+    """``(blocks, host_blocks) -> PrefixMatch`` at ``tokens_per_block``, each made once (a probe answers with a few
+    distinct ones); one cached function per block size, called straight from the index's C-level passes."""
+
+    @functools.lru_cache(maxsize=1 << 14)
+    def match(blocks: int, host_blocks: int) -> PrefixMatch:
+        return PrefixMatch(blocks, blocks * tokens_per_block, host_blocks)
+
+    return match
 
 
 def prompt_hashes(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int | None = None,
@@ -56,7 +62,7 @@ def match_prefix(index: PrefixIndex, hashes: Sequence[int], tokens_per_block: in
     child of the one before, as ``prompt_hashes`` makes them; blocks of ``tokens_per_block`` tokens, the
     index's default when ``None``), keyed by rank (in no set order)."""
     tpb = index.tokens_per_block if tokens_per_block is None else tokens_per_block
-    found = index.chain_matches(hashes, functools.partial(_match, tpb))
+    found = index.chain_matches(hashes, _matcher(tpb))
     if index.other_block_sizes():   # a chain of one size names no block of another; this keeps it certain
         return {r: m for r, m in found.items() if index.block_size(r) == tpb}
     return found

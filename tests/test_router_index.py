@@ -426,6 +426,32 @@ def test_chain_prefixes_agree_with_the_block_by_block_walk(batches):
                 assert index.chain_prefixes(chain[:end]) == index.longest_prefixes(chain[:end])
 
 
+LONG = [[0x9000_0000 + 1000 * c + j for j in range(200)] for c in range(2)]   # past several of the probe's grid steps
+LONG[1][:70] = LONG[0][:70]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1), st.integers(1, 200), st.integers(0, 199),
+                          st.booleans()), max_size=30))
+def test_chain_prefixes_of_long_chains_agree_with_the_block_by_block_walk(ops):
+    """Many ranks ending their matches all along chains of many grid steps (bisected in C while no rank holds an
+    orphan), and mid-chain evictions that make some ranks walked: the answers are the walk's."""
+    index = PrefixIndex(TPB)
+    for rank, c, length, cut, mid_chain in ops:
+        held = index.chain_prefixes(LONG[c]).get(rank, (0, 0))[0]
+        if length > held:   # grow the rank's prefix of chain c to ``length`` blocks
+            ev = stored(LONG[c][held:length], LONG[c][held - 1] if held else None)
+        elif mid_chain and index.refs(rank, LONG[c][cut]) != (0, 0):
+            ev = removed([LONG[c][cut]])   # an orphan-making eviction (or a tail, if ``cut`` is the last)
+        else:
+            ev = removed(LONG[c][length:held][::-1])   # a tail, newest first
+        if ev.block_hashes:
+            assert index.apply(rank, index.next_seq(rank), batch(ev)).applied
+        for chain in LONG:
+            for end in (1, 31, 33, 64, 150, 200):
+                assert index.chain_prefixes(chain[:end]) == index.longest_prefixes(chain[:end])
+
+
 def test_chain_prefixes_walk_ranks_with_holes_and_sequences_that_are_not_chains(index):
     c = CHAINS[0]
     index.apply(0, 0, batch(stored(c[:8])))

@@ -320,13 +320,13 @@ class PrefixIndex:
                         host[low] = host.get(low, 0) + 1
                         hit ^= low
         out: dict[int, T] = {}
-        if not host:   # one answer for the ranks of each end, none holding a block on the host tier only
-            masks = [bits for bits, _ in ends]
+        if not host and ends:   # one answer for the ranks of each end, none holding a block on the host tier only
+            masks, at = zip(*ends)
             groups = list(map(self._mask_ranks.get, masks))
             if None in groups:
                 groups = list(map(self._ranks_of, masks))
             # A plain loop: cheaper here than ``dict(zip(...))`` of chained ``repeat``s (an object per end)
-            for ranks, answer in zip(groups, map(make, [matched for _, matched in ends], repeat(0))):
+            for ranks, answer in zip(groups, map(make, at, repeat(0))):
                 for rank in ranks:
                     out[rank] = answer
         else:

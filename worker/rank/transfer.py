@@ -118,12 +118,11 @@ class PrefixMoved:
 
 class _PieceBuffers:
     """Each piece's tensors on one side, one per pool: a pool slice where the piece's slots there are one run,
-    else a slice of the staging buffer (``gather`` / ``scatter`` copy it from or to the pool). A slot of
-    ``None`` is a block this side receives and drops (a target that holds it already)."""
+    else a slice of the staging buffer (``gather`` / ``scatter`` copy it from or to the pool)."""
 
-    def __init__(self, pools: list[torch.Tensor], slot_lists: list[list[int | None]], staging: _Staging) -> None:
+    def __init__(self, pools: list[torch.Tensor], slot_lists: list[list[int]], staging: _Staging) -> None:
         self.pools = pools
-        direct = [None not in s and is_run(s) for s in slot_lists]
+        direct = [is_run(s) for s in slot_lists]
         n = sum(len(s) for s, d in zip(slot_lists, direct) if not d)
         per_block = [prod(p.shape[1:]) for p in pools]
         self.flat, self.kept = (staging.take(n * sum(per_block), pools[0].dtype, pools[0].device) if n
@@ -144,7 +143,7 @@ class _PieceBuffers:
                 self.pairs.append(None)
             else:
                 self.views.append([r[row:row + len(slots)] for r in self.regions])
-                self.pairs.append([(s, row + i) for i, s in enumerate(slots) if s is not None])
+                self.pairs.append([(s, row + i) for i, s in enumerate(slots)])
                 row += len(slots)
 
     def gather(self, i: int) -> int:

@@ -30,7 +30,9 @@ many of its held blocks have each parent and how many it holds without their
 parent ("orphans", left by an eviction in the middle of a chain). A rank with no
 orphans holds whole prefixes only, so along a chain its blocks stop at one place
 and ``chain_prefixes`` finds that place by bisection: one lookup every 32
-blocks, then five per distinct match length, instead of one per block. Ranks
+blocks, then five per distinct match length, instead of one per block (run in
+C by ``bisect`` while no rank at all holds orphans, since then the holder masks
+themselves only shrink along a chain). Ranks
 with orphans, or holdings of unknown parents (a snapshot), are walked block by
 block as ``longest_prefixes`` walks any sequence of hashes.
 

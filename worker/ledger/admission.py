@@ -67,7 +67,7 @@ class Admitter:
             decide_partial(m, claimed, self.config.copy_on_partial_reuse)
             if m.in_place:
                 taken.add(m.partial.block_id)
-            claimed.update(b.block_id for b in m.full)
+            claimed.update([b.block_id for b in m.full])
             if m.partial is not None:
                 claimed.add(m.partial.block_id)
             end = len(r.tokens) if chunk is None else min(len(r.tokens), len(m.full) * T + m.partial_len + chunk)
@@ -92,10 +92,10 @@ class Admitter:
         reuses."""
         for w in self._windows:
             held = {b.block_id: b for p in plans for b in p.match.to_onboard(w.index)}
-            onboards = sum(1 for b in held.values() if b.tier == SECONDARY)
+            onboards = len([b for b in held.values() if b.tier == SECONDARY])
             if w.index == 0:
                 held.update((p.match.partial.block_id, p.match.partial) for p in plans if p.match.partial is not None)
-            free_claimed = sum(1 for b in held.values() if b.tier == PRIMARY and b.ref_count == 0)
+            free_claimed = len([b for b in held.values() if b.tier == PRIMARY and b.ref_count == 0])
             needed = sum(p.new_blocks for p in plans) + onboards
             available = w.pool.num_free(PRIMARY) - free_claimed
             if needed > available:

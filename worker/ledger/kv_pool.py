@@ -24,6 +24,9 @@ CopyRun = tuple[int, int, list[int], list[int]]
 def merge_slot_runs(srcs: Sequence[int], dsts: Sequence[int]) -> list[tuple[int, int, int]]:
     """Copies ``srcs[i] -> dsts[i]`` as ``(src_start, dst_start, length)`` runs where both sides are adjacent, in
     source order (equal sources in the given order)."""
+    one = _one_run(srcs, dsts)
+    if one is not None:
+        return [one]
     runs: list[tuple[int, int, int]] = []
     s0 = d0 = n = 0
     for i in sorted(range(len(srcs)), key=srcs.__getitem__):
@@ -37,6 +40,19 @@ def merge_slot_runs(srcs: Sequence[int], dsts: Sequence[int]) -> list[tuple[int,
     if n:
         runs.append((s0, d0, n))
     return runs
+
+
+def _one_run(srcs: Sequence[int], dsts: Sequence[int]) -> tuple[int, int, int] | None:
+    """The one run of ``merge_slot_runs`` where both sides step by one the same way (the slots of an offload or
+    an onboard, told in C with no sort), else ``None``."""
+    n = len(srcs)
+    if not n:
+        return None
+    s, d = srcs[0], dsts[0]
+    step = 1 if srcs[-1] >= s else -1
+    if list(srcs) != list(range(s, s + step * n, step)) or list(dsts) != list(range(d, d + step * n, step)):
+        return None
+    return (s, d, n) if step == 1 else (srcs[-1], dsts[-1], n)
 
 
 def merge_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -8,6 +8,7 @@ block nor children are pruned.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvledger.worker.ledger.block import Block
@@ -31,6 +32,8 @@ class TreeNode:
     """The blocks of windows 1.. (``None`` in a one-window tree)."""
     children: dict[BlockKey, TreeNode] = field(default_factory=dict)
     by_bucket: dict[_Bucket, list[TreeNode]] = field(default_factory=dict)
+    """The children by ``_bucket``, in ``children``'s order, kept only while there are two or more: a chain's node
+    (one child) keeps none, so storing and evicting a long prompt builds and frees no index."""
 
 
     def block_of(self, window: int) -> Block | None:
@@ -57,7 +60,11 @@ class PrefixTree:
         if limit <= 0 or not key.tokens:
             return None, 0
         best, best_len = None, 0
-        for cand in node.by_bucket.get(_bucket(key), ()):
+        where = _bucket(key)
+        children = node.children
+        cands = node.by_bucket.get(where, ()) if len(children) > 1 else [
+            c for c in children.values() if _bucket(c.key) == where]
+        for cand in cands:
             if cand.block is None:
                 continue
             n = key.partial_match(cand.key, limit)
@@ -72,8 +79,13 @@ class PrefixTree:
         new = TreeNode(key, node)
         if self.num_windows > 1:
             new.others = [None] * (self.num_windows - 1)
-        node.children[key] = new
-        node.by_bucket.setdefault(_bucket(key), []).append(new)
+        children = node.children
+        if len(children) == 1:   # a second child: index the first
+            (first,) = children.values()
+            node.by_bucket[_bucket(first.key)] = [first]
+        if children:
+            node.by_bucket.setdefault(_bucket(key), []).append(new)
+        children[key] = new
         self.num_nodes += 1
         return new
 
@@ -90,46 +102,54 @@ class PrefixTree:
 
     def detach(self, block: Block) -> None:
         """Take ``block`` out of the tree; its node stays while it holds another window's block or has children."""
-        node, w = block.node, block.window
-        if w == 0:
-            assert node is not None and node.block is block, f"block {block.block_id} is not in the tree"
-            node.block = None
-        else:
-            assert node is not None and node.others[w - 1] is block, f"block {block.block_id} is not in the tree"
-            node.others[w - 1] = None
-        block.node = None
-        self._prune(node)
+        self.detach_n((block,))
 
-    def detach_n(self, blocks: list[Block]) -> None:
-        """``detach`` each block in order, in one loop (evicting a run of victims); a node is pruned only where it
-        is left with no block and no children."""
+    def detach_n(self, blocks: Sequence[Block]) -> None:
+        """``detach`` each block, then prune: the tree ends as pruning after each would leave it (the nodes left
+        with no block and no children go, and so do their ancestors left so), but a run of evicted victims (a
+        chain's nodes, deepest first) is cut once, at its top."""
+        nodes: list[TreeNode] = []
         for block in blocks:
-            if block.window:
-                self.detach(block)
-                continue
-            node = block.node
-            assert node is not None and node.block is block, f"block {block.block_id} is not in the tree"
-            node.block = block.node = None
-            if not node.children:
-                self._prune(node)
+            node, w = block.node, block.window
+            if w == 0:
+                assert node is not None and node.block is block, f"block {block.block_id} is not in the tree"
+                node.block = None
+            else:
+                assert node is not None and node.others[w - 1] is block, f"block {block.block_id} is not in the tree"
+                node.others[w - 1] = None
+            block.node = None
+            nodes.append(node)
+        prune = self._prune
+        for node in nodes:
+            if node.parent is not None and not node.children:   # else pruned already, or kept by its children
+                prune(node)
 
     def _prune(self, node: TreeNode) -> None:
-        while node.parent is not None and node.block is None and not node.children and (
-                node.others is None or not any(node.others)):
-            parent, key = node.parent, node.key
-            if len(parent.children) == 1:   # the only child (a chain's node): no key to hash, no bucket to look up
-                parent.children.clear()
-                parent.by_bucket.clear()
-            else:
-                del parent.children[key]
-                where = _bucket(key)
-                bucket = parent.by_bucket[where]
-                bucket.remove(node)
-                if not bucket:
-                    del parent.by_bucket[where]
+        """Remove childless ``node`` if it holds no block, and each ancestor left so. The nodes of such a chain
+        are unlinked from their parents only at its top (the rest go with it, their parent links cut)."""
+        if not node.is_empty():
+            return
+        parent = node.parent
+        while parent.parent is not None and len(parent.children) == 1 and parent.block is None and (
+                parent.others is None or not any(parent.others)):   # ``parent.is_empty()``, inlined
             node.parent = None
             self.num_nodes -= 1
-            node = parent
+            node, parent = parent, parent.parent
+        node.parent = None
+        self.num_nodes -= 1
+        if len(parent.children) == 1:   # the only child (a chain's node): no key to hash, no bucket to look up
+            parent.children.clear()
+            return
+        key = node.key
+        del parent.children[key]
+        if len(parent.children) == 1:   # one child left: no index
+            parent.by_bucket.clear()
+            return
+        where = _bucket(key)
+        bucket = parent.by_bucket[where]
+        bucket.remove(node)
+        if not bucket:
+            del parent.by_bucket[where]
 
     def has_stored_children(self, node: TreeNode) -> bool:
         return any(not c.is_empty() or c.children for c in node.children.values())

@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -173,11 +174,42 @@ def encode_like_engine(text: str) -> list[int]:
     return [BOS_ID, *(BYTE_OFFSET + b for b in text.encode())]
 
 
+#: One past the last port Ray gives its workers by default (``max_worker_port`` 19999): the test session's Ray
+#: starts workers while engines start.
+RAY_WORKER_PORTS_END = 20000
+#: Ports this process handed out already (two engines never get the same one).
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    """The first port of the range the OS hands out for a bind to port 0 (Linux's default where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range and above Ray's worker ports.
+
+    An engine binds our ports a minute or more after we pick them (on this CPU), and every engine meanwhile
+    binds sockets of its own to port 0; a port picked from the ephemeral range could be taken by one of those
+    in between (it was: "Address already in use" for a replay endpoint).
+    """
+    top = _ephemeral_start()
+    rng = random.Random()
+    for _ in range(1000):   # bounded: a free port is found within a few tries on any sane machine
+        port = rng.randrange(RAY_WORKER_PORTS_END if top > RAY_WORKER_PORTS_END + 1000 else 1024, top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port on 127.0.0.1 below {top} after 1000 tries")
 
 
 class VllmServer:

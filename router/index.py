@@ -250,19 +250,17 @@ class PrefixIndex:
         # shrink as j grows. Read them on a grid (one C-level pass), then bisect each grid step where they
         # shrink down to the blocks where they do.
         get, parents, first = holders.get, self._parents, active
+        # With no rank holding orphans, every holder of a chain's block holds its first block too: the masks
+        # themselves shrink along the chain, so they grow along it reversed and ``bisect`` searches them in C.
+        back = None if self._walked else hashes[::-1]
         grid = list(range(0, n - 1, _GRID))
         grid.append(n - 1)
         held = list(map(and_, map(get, hashes[0:n - 1:_GRID], repeat(0)), repeat(first)))
         held.append(get(hashes[n - 1], 0) & first)
         grid.append(n)
         held.append(0)
-        steps = list(compress(range(len(grid) - 1), map(ne, held, held[1:])))
-        # With no rank holding orphans, every holder of a chain's block holds its first block too: the masks
-        # themselves shrink along the chain, so they grow along it reversed and ``bisect`` searches them in C
-        # (the reversed copy made only where a step other than the last, where masks fall to 0, is searched).
-        back = hashes[::-1] if len(steps) > 1 and not self._walked else None
         ends: list[tuple[int, int]] = []
-        for k in steps:
+        for k in compress(range(len(grid) - 1), map(ne, held, held[1:])):
             lo, m_lo, top, m_top = grid[k], held[k], grid[k + 1], held[k + 1]
             while m_lo != m_top:   # the first block past ``lo`` where fewer ranks hold on: (lo, top]
                 if back is not None and m_top:   # no block of (lo, top] is unheld, if ``hashes`` is one chain

@@ -49,7 +49,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvledger.router.openai_types import (ChatBody, CompletionBody, ProbeBody, RouteBody, completion_answer,
                                           make_choice, sse, usage, whole_as_stream)
-from kvledger.router.policies import NoLiveRankError
+from kvledger.router.policies import NoLiveRankError, RankState
 from kvledger.router.service import (OWN_MODEL, CompletionResult, EngineRefusedError, OverloadedError, RouterService,
                                      UnknownModelError)
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
@@ -363,8 +363,8 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         ranks = sorted(set(d.scores) | set(d.matched_tokens))
         return {"rank": d.rank, "policy": d.policy, "lower_is_better": d.lower_is_better,
                 "migrate_from": d.migrate_from, "migrate_blocks": d.migrate_blocks,
-                "ranks": [{"rank": r, "matched_tokens": d.matched_tokens.get(r, 0), "score": d.scores.get(r)}
-                          for r in ranks]}
+                "ranks": [{"rank": r, "matched_tokens": d.matched_tokens.get(r, 0), "score": d.scores.get(r),
+                           **_load_seen(d.loads.get(r))} for r in ranks]}
 
     @app.post("/v1/probe")
     def probe(body: ProbeBody, who: User) -> dict:
@@ -408,6 +408,14 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _load_seen(state: RankState | None) -> dict:
+    """A rank's load as the policy weighed it (the ranks' last reports and this router's own dispatches)."""
+    if state is None:
+        return {"load": None}
+    return {"load": {"queued_requests": state.queued_requests, "queued_prefill_tokens": state.queued_prefill_tokens,
+                     "running_requests": state.running_requests}}
 
 
 def _kvledger_block(res: CompletionResult) -> dict:

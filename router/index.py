@@ -30,7 +30,9 @@ many of its held blocks have each parent and how many it holds without their
 parent ("orphans", left by an eviction in the middle of a chain). A rank with no
 orphans holds whole prefixes only, so along a chain its blocks stop at one place
 and ``chain_prefixes`` finds that place by bisection: one lookup every 32
-blocks, then five per distinct match length, instead of one per block. Ranks
+blocks, then five per distinct match length, instead of one per block (run in
+C by ``bisect`` while no rank at all holds orphans, since then the holder masks
+themselves only shrink along a chain). Ranks
 with orphans, or holdings of unknown parents (a snapshot), are walked block by
 block as ``longest_prefixes`` walks any sequence of hashes.
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -247,6 +250,9 @@ class PrefixIndex:
         # shrink as j grows. Read them on a grid (one C-level pass), then bisect each grid step where they
         # shrink down to the blocks where they do.
         get, parents, first = holders.get, self._parents, active
+        # With no rank holding orphans, every holder of a chain's block holds its first block too: the masks
+        # themselves shrink along the chain, so they grow along it reversed and ``bisect`` searches them in C.
+        back = None if self._walked else hashes[::-1]
         grid = list(range(0, n - 1, _GRID))
         grid.append(n - 1)
         held = list(map(and_, map(get, hashes[0:n - 1:_GRID], repeat(0)), repeat(first)))
@@ -257,14 +263,21 @@ class PrefixIndex:
         for k in compress(range(len(grid) - 1), map(ne, held, held[1:])):
             lo, m_lo, top, m_top = grid[k], held[k], grid[k + 1], held[k + 1]
             while m_lo != m_top:   # the first block past ``lo`` where fewer ranks hold on: (lo, top]
-                a, b, m_b = lo, top, m_top
-                while b - a > 1:
-                    mid = (a + b) >> 1
-                    m = get(hashes[mid], 0) & first
-                    if m == m_lo:
-                        a = mid
-                    else:
-                        b, m_b = mid, m
+                if back is not None and m_top:   # no block of (lo, top] is unheld, if ``hashes`` is one chain
+                    try:
+                        b = n - bisect_left(back, m_lo, n - 1 - top, n - 1 - lo, key=get)
+                    except TypeError:   # an unheld block (None) after all: not one chain
+                        return self._answer(hashes, self._walk(hashes, first), make)
+                    a, m_b = b - 1, get(hashes[b], 0)
+                else:
+                    a, b, m_b = lo, top, m_top
+                    while b - a > 1:
+                        mid = (a + b) >> 1
+                        m = get(hashes[mid], 0) & first
+                        if m == m_lo:
+                            a = mid
+                        else:
+                            b, m_b = mid, m
                 if m_b & ~m_lo or (a and parents.get(hashes[a], _UNKNOWN) != hashes[a - 1]):
                     return self._answer(hashes, self._walk(hashes, first), make)   # not one chain
                 ends.append((m_lo & ~m_b, b))

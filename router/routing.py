@@ -7,6 +7,7 @@ policy measured by ``kvledger bench`` is the policy ``kvledger up`` runs.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
 from kvledger.router.load import LoadAccount, ReportedQueue
@@ -32,7 +33,8 @@ class RouteStep:
         """
         reported = reported or {}
         states = [self.account.state(r, now, *blocks.get(r, (0, 0)), reported.get(r), r not in fixed) for r in live]
-        decision = self.policy.route(request, states, matches)
+        decision = dataclasses.replace(self.policy.route(request, states, matches),
+                                       loads={s.rank: s for s in states})
         if record:
             self.policy.on_routed(request, decision)
         return decision

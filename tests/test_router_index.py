@@ -434,7 +434,7 @@ LONG[1][:70] = LONG[0][:70]
 @given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1), st.integers(1, 200), st.integers(0, 199),
                           st.booleans()), max_size=30))
 def test_chain_prefixes_of_long_chains_agree_with_the_block_by_block_walk(ops):
-    """Many ranks ending their matches all along chains of many grid steps (bisected where no rank holds an
+    """Many ranks ending their matches all along chains of many grid steps (bisected in C while no rank holds an
     orphan), and mid-chain evictions that make some ranks walked: the answers are the walk's."""
     index = PrefixIndex(TPB)
     for rank, c, length, cut, mid_chain in ops:

@@ -136,7 +136,10 @@ def test_a_router_sees_load_it_did_not_send_through_the_ranks_report():
             senders.append(t)
         wait_for(lambda: busy.load().queued_requests == 4, "the four requests to queue on the rank")
         b.refresh_loads(force=True)
-        assert b.route(shared + [9]).rank == 1 - home, "2400 queued prompt tokens outweigh one cached block"
+        busy_route = b.route(shared + [9])
+        assert busy_route.rank == 1 - home, "2400 queued prompt tokens outweigh one cached block"
+        seen = busy_route.loads[home]
+        assert (seen.queued_requests, seen.queued_prefill_tokens) == (4, 2400), "the load it was weighed with"
     for t in senders:
         t.join(timeout=TIMEOUT)
         assert not t.is_alive(), "a queued request never finished"
@@ -177,6 +180,18 @@ def exact(client: httpx.Client, prompt: str) -> list[int]:
     return [r["matched_tokens"] for r in client.post("/v1/probe", json=body).json()["ranks"]]
 
 
+def settle(clients: list[httpx.Client], prompt: str) -> None:
+    """Wait until every replica weighs every rank idle. A replica learns of a request another replica sent only
+    from the rank's load report, asked for every ``health_interval_s``: one asked while that request ran still
+    shows it queued after it ended, and rightly steers away from the rank until the next report."""
+    def idle(client: httpx.Client) -> bool:
+        ranks = client.post("/v1/route", json={"prompt": prompt}).json()["ranks"]
+        return all(r["load"] == {"queued_requests": 0, "queued_prefill_tokens": 0, "running_requests": 0}
+                   for r in ranks)
+    for i, client in enumerate(clients):
+        wait_for(lambda: idle(client), f"replica {i} to see the ranks idle")
+
+
 def test_replicas_listen_on_ports_of_their_own_under_names_of_their_own(replicas, ray_session):
     _, handles, clients = replicas
     assert len({str(c.base_url) for c in clients}) == REPLICAS
@@ -194,6 +209,7 @@ def test_replicas_fed_the_same_events_make_the_same_decision(replicas):
     for text in homes.values():
         truth = exact(clients[0], text)
         wait_for(lambda: all(matched(c, text) == truth for c in clients), "every replica to index the pushes")
+    settle(clients, system("r0"))
     # (a prompt nobody holds is a tie every rank wins equally: which one each replica draws is no disagreement)
     questions = [homes[0] + " and a follow-up", homes[1] + " and another", system("r0")[:40] + " half a prefix"]
     for q in questions:
@@ -217,6 +233,7 @@ def test_a_request_to_any_replica_is_served_and_indexed_by_all(replicas):
             wait_for(lambda: matched(other, text)[home] > 0, f"replica {clients.index(other)} to index it")
             assert matched(other, text) == exact(other, text)
         for j, other in enumerate(clients):   # a follow-up to any replica goes where the prefix is
+            settle(clients, shared)
             again = other.post("/v1/completions", json={"prompt": shared + f"Q: then via {j}?", "max_tokens": 1})
             assert again.status_code == 200, again.text
             got = again.json()["kvledger"]

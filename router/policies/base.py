@@ -119,6 +119,9 @@ class RouteDecision:
     migrate_from: int | None = None
     """Pull the prefix from this rank before serving (``kv`` only)."""
     migrate_blocks: int = 0
+    loads: dict[int, RankState] = field(default_factory=dict)
+    """The load each live rank was weighed with (set by ``RouteStep``): a decision explained, stale reports
+    included."""
 
 
 class RoutingPolicy(abc.ABC):

@@ -364,7 +364,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         return {"rank": d.rank, "policy": d.policy, "lower_is_better": d.lower_is_better,
                 "migrate_from": d.migrate_from, "migrate_blocks": d.migrate_blocks,
                 "ranks": [{"rank": r, "matched_tokens": d.matched_tokens.get(r, 0), "score": d.scores.get(r),
-                           **_load_seen(d.loads.get(r))} for r in ranks]}
+                           "load": _load_seen(d.loads.get(r))} for r in ranks]}
 
     @app.post("/v1/probe")
     def probe(body: ProbeBody, who: User) -> dict:
@@ -410,12 +410,12 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     return app
 
 
-def _load_seen(state: RankState | None) -> dict:
+def _load_seen(state: RankState | None) -> dict | None:
     """A rank's load as the policy weighed it (the ranks' last reports and this router's own dispatches)."""
     if state is None:
-        return {"load": None}
-    return {"load": {"queued_requests": state.queued_requests, "queued_prefill_tokens": state.queued_prefill_tokens,
-                     "running_requests": state.running_requests}}
+        return None
+    return {"queued_requests": state.queued_requests, "queued_prefill_tokens": state.queued_prefill_tokens,
+            "running_requests": state.running_requests}
 
 
 def _kvledger_block(res: CompletionResult) -> dict:

@@ -382,8 +382,8 @@ class PrefixIndex:
         return self._apply(rank, seq, batch)
 
     def apply_bytes(self, rank: int, seq: int, data: bytes) -> ApplyResult:
-        """Decode a wire batch (``kvledger.worker.wire.events.decode_view``: every field the index reads is
-        checked, token ids only for being an array) and apply it.
+        """Decode a wire batch (``kvledger.worker.wire.events.decode_view``: every field is checked, token ids
+        checked to be non-negative ints and dropped) and apply it.
 
         Raises ``EventDecodeError`` (a ``ValueError``) for malformed bytes, changing nothing.
         """

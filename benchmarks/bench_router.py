@@ -10,8 +10,8 @@ ai-dynamo-runtime==1.6.1``); if it cannot be loaded we say so and report ours.
 What each side pays inside the timed loop:
   ours    PrefixIndex.apply_bytes on msgpack bytes encoded up front (our wire,
           token ids included, as our ranks send them): decode_view (every field
-          the index reads checked, token ids checked to be an array of
-          non-negative ints, then dropped) and the apply; beside it
+          checked, as decode_batch checks it; token ids as non-negative ints,
+          then dropped) and the apply; beside it
           decode_batch + apply (the token ids kept as a list), the parts alone,
           decode_view alone (what any index behind this decoder could reach at
           most), and the rate with empty token_ids;

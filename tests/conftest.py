@@ -1,5 +1,10 @@
-"""Test-session setup: the tests directory is importable for its small helper modules; one Ray per session;
-hypothesis derandomized unless asked otherwise.
+"""Test-session setup: the tests directory is importable for its small helper modules; every test carries the
+marker of its tier; one Ray per session; hypothesis derandomized unless asked otherwise.
+
+Tiers, one folder and one marker each (``pytest -m unit`` runs one): ``unit/`` (no Ray, no subprocess: the quick
+loop), ``contract/`` (one suite over every rank client: in-process and Ray), ``integration/`` (real Ray
+clusters, spawned processes, the command line) and ``vllm/`` (real vLLM servers, in a virtual environment the suite
+builds when it is missing). A test file outside a tier folder is an error, so none runs unmarked.
 
 Hypothesis profiles (``HYPOTHESIS_PROFILE``): ``ci``, the default, derandomizes every property test (the
 examples come from a hash of the test: the same on every run until the test or Hypothesis changes) and uses no example
@@ -21,6 +26,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+TIERS = ("unit", "contract", "integration", "vllm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(here).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test file belongs in one of the tier folders {TIERS}")
+        item.add_marker(getattr(pytest.mark, tier))
+
 
 import kvledger.coordinator  # noqa: E402,F401  (sets the Ray environment before anything imports ray)
 

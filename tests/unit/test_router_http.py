@@ -17,6 +17,8 @@ from kvledger.router.service import RouterService
 from kvledger.worker.engine.tokenizer import decode, encode
 from kvledger.worker.ledger.config import CacheConfig
 
+from fake_vllm import FakeVllmPublisher, vllm_stored
+
 T = 4
 PREFIX = "The quick brown fox jumps over the lazy dog. "   # 45 bytes: 11 full blocks
 
@@ -202,8 +204,7 @@ def test_cluster_and_metrics(router):
 
 
 def test_a_real_vllm_engines_events_show_in_probes_but_never_get_requests():
-    """A publisher written to vLLM's ZMQ framing (tests/test_router_vllm_events.py), indexed under its own rank."""
-    from test_router_vllm_events import FakeVllmPublisher, vllm_stored
+    """A publisher written to vLLM's ZMQ framing (tests/unit/test_router_vllm_events.py), indexed under its own rank."""
 
     from kvledger.router.feed import FOREIGN_RANK_BASE
 

@@ -23,7 +23,7 @@ from kvledger.router.policies import policy_names
 from kvledger.router.probe import prompt_hashes
 
 # The head of Mooncake's conversation trace, shipped with the tests (see tests/data/README.md).
-MOONCAKE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_head150.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_head150.jsonl"
 TPB = 32
 SMALL = dict(trace="synthetic", ranks=4, tokens_per_block=TPB, limit=300, capacity_blocks=1600, seed=0)
 

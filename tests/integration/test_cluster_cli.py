@@ -16,7 +16,7 @@ from processes import run
 from kvledger.launch.cli import main
 from kvledger.launch.state import ClusterState, descendants, is_alive, start_time
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture

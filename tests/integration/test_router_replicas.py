@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 import torch
-from test_router_ray import TIMEOUT, system, wait_for
+from router_helpers import TIMEOUT, system, wait_for
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig

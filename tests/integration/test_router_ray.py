@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import time
 
 import httpx
 import pytest
@@ -29,18 +28,12 @@ from kvledger.worker.ledger import CacheConfig
 from kvledger.worker.rank.faults import TransportFaults
 from kvledger.worker.wire.request import Request
 
+from fake_vllm import FakeVllmPublisher, vllm_stored
+from router_helpers import TIMEOUT, system, wait_for
+
 T = 8
-TIMEOUT = 60
 PREFIX = "kvledger-router-test-rank"
-SYSTEM = "You are a terse assistant. Answer with one word only, please.\n"   # 63 bytes; with "Q" 8 blocks
 SHARED = 64   # tokens of SYSTEM + "Q": the full blocks every question shares
-
-
-def system(tag: str) -> str:
-    """A system prompt as long as ``SYSTEM`` that is this test's own (``tag`` begins with its own letter)."""
-    p = f"{tag}: {SYSTEM}"[:len(SYSTEM) - 1] + "\n"
-    assert len(encode(p)) == len(encode(SYSTEM)), p
-    return p
 
 
 def cache(primary: int = 128) -> CacheConfig:
@@ -60,16 +53,6 @@ def routed(ray_session):
     finally:
         ray_session.kill(handle, no_restart=True)
         cluster.shutdown()
-
-
-def wait_for(cond, what: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)   # another process's push: nothing local to wait on
 
 
 def totals(client: httpx.Client) -> dict:
@@ -197,7 +180,6 @@ def test_a_rank_that_dies_leaves_the_index_and_its_request_is_served_elsewhere(r
 
 def test_the_router_actor_indexes_a_vllm_engine_given_on_the_command_line(ray_session):
     """``kvledger up --vllm-events`` reaches the router actor as ``RouterActorConfig.vllm_events``."""
-    from test_router_vllm_events import FakeVllmPublisher, vllm_stored
 
     # Ranks of its own: the module's ranks would go on pushing to this router until it is found dead.
     cluster = Cluster.start(ClusterConfig(num_ranks=1, device="cpu", cache=cache(32), num_cpus_per_rank=0.5,

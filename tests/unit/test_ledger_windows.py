@@ -1,14 +1,10 @@
 """Attention windows (VSWA): one window manager per window, one prefix tree, placeholders, the safe-prefix rule."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
-import torch
 from ledger_helpers import make_request, make_windowed_manager
 
 from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError
-from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.events import BlockRemoved, BlockStored
 
 T = 4
@@ -112,40 +108,6 @@ def test_a_refused_growth_changes_nothing_in_any_window() -> None:
         mgr.add_sequence(make_request(2, [1, 2, 3], beam_width=2))
     with pytest.raises(ValueError, match="not supported"):
         mgr.pin_prefix(9, list(range(12)))
-
-
-def _agree(rank: int, primary_blocks: int, ports: mp.Queue, out: mp.Queue) -> None:
-    """One rank of two: form a gloo group on 127.0.0.1 and agree every window's block counts."""
-    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu",
-                      attention_windows=(8, None), window_shares=(1, 3), num_primary_blocks=primary_blocks,
-                      num_secondary_blocks=4)
-    w = RankWorker(rank, 2, cfg)
-    port = w.open_store("127.0.0.1", 30) if rank == 0 else ports.get(timeout=60)
-    if rank == 0:
-        ports.put(port)
-    w.join_group("127.0.0.1", port, 30)
-    try:
-        out.put((rank, w.local_block_counts(), w.agree_block_counts(), w.manager.window_block_counts))
-    finally:
-        w.leave_group()
-
-
-def test_ranks_agree_every_windows_block_counts_by_the_min_all_reduce() -> None:
-    ctx = mp.get_context("spawn")
-    ports, out = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_agree, args=(rank, blocks, ports, out)) for rank, blocks in ((0, 40), (1, 24))]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    # a quarter of the bytes to window 0, three quarters to window 1 (each block holds one layer of two)
-    assert [local for _, local, _, _ in got] == [(20, 2, 60, 6), (12, 2, 36, 6)]
-    assert all(agreed == (12, 2, 36, 6) and windows == ((12, 2), (36, 6)) for _, _, agreed, windows in got)
 
 
 def test_snapshot_and_hashes_cover_every_window() -> None:

@@ -8,7 +8,7 @@ import sysconfig
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 #: The design card's folders (and the replay bench's), each installed as ``kvledger.<folder>``.
 FOLDERS = ("worker", "coordinator", "router", "launch", "replay")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from processes import run
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]   # tests/, where multinode_check.py lives
 
 
 def test_ranks_spread_over_nodes_and_migrate_between_them():

@@ -1,10 +1,6 @@
 """Scenarios on one rank's ledger with exact expectations (4 tokens per block)."""
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +8,6 @@ from ledger_helpers import FakeClock, make_manager, make_request, read_kv, serve
 
 from kvledger.worker.ledger import MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange, block_hashes
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY
-from kvledger.worker.wire.block_key import BlockKey
 from kvledger.worker.wire.events import BlockRemoved, BlockStored, BlockUpdated
 
 A = list(range(100, 112))  # three full blocks
@@ -553,21 +548,6 @@ def test_abort_releases_without_storing():
     assert mgr.take_events() == [] and mgr.probe_prefix_match_length(A + [0]) == 0
     assert mgr.stats().free_num_blocks == 8
     mgr.check_integrity()
-
-
-def test_a_block_key_from_another_process_finds_its_equal():
-    """Keys keep their Python hash for the tree's lookups; that hash differs per process (strings are salted), so a
-    key that crossed a process boundary must hash anew, or its equal in this process's tree would not be found."""
-    code = ("import pickle, sys; from kvledger.worker.wire.block_key import BlockKey; "
-            "k = BlockKey((1, 2, 3, 4), None, 7, (('img', 0),), 'salt'); hash(k); "
-            "sys.stdout.buffer.write(pickle.dumps(k))")
-    here = BlockKey((1, 2, 3, 4), None, 7, (("img", 0),), "salt")
-    children = {here: "node"}
-    for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout
-        there = pickle.loads(out)
-        assert there == here and children.get(there) == "node"
 
 
 def test_fresh_blocks_trade_slots_and_shared_or_stored_ones_are_refused_unchanged():

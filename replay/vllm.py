@@ -32,7 +32,7 @@ from kvledger.replay.tiny import PolicyReplay, load_tiny_trace
 from kvledger.replay.trace import BlockChains, Trace, expand_tokens
 from kvledger.router.feed import FOREIGN_RANK_BASE
 from kvledger.router.prompt_tokenizer import HfTokenizer
-from kvledger.router.vllm_ranks import VllmEngine
+from kvledger.router.vllm_engine import VllmEngine
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,14 +52,15 @@ def server_facts(urls: tuple[str, ...]) -> ServerFacts:
     for i, url in enumerate(urls):
         engine = VllmEngine.connect(FOREIGN_RANK_BASE + i, url)
         try:
-            info, tok = engine.info, engine.tokenizer
-            if info.block_size is None or info.max_model_len is None:
+            info = engine.info()
+            tok = info.tokenizer
+            if not info.block_size or info.max_context is None:
                 raise ValueError(f"vLLM server {url} reports no block size or maximum model length")
             if not isinstance(tok, HfTokenizer):
                 raise ValueError(f"vLLM server {url}: the bench draws token ids below the model's vocabulary and "
                                  f"reads it from the model's tokenizer.json, which is not readable here "
-                                 f"({info.model_root})")
-            facts.append(ServerFacts(info.model, info.max_model_len, tok.vocab_size, info.block_size))
+                                 f"(tokenized by {tok.name})")
+            facts.append(ServerFacts(info.model, info.max_context, tok.vocab_size, info.block_size))
         finally:
             engine.close()
     if len({(f.model, f.max_model_len, f.vocab_size) for f in facts}) > 1:

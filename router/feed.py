@@ -298,7 +298,7 @@ class EventFeed:
         ``bind``: ``True``, the engine's publisher connects, so the router binds ``endpoint``; ``None``, bind
         if the address is free here, else connect (``router.vllm_events``). ``block_size``: the engine's, when
         its server told it; otherwise its first store does.
-        ``routed``: the engine is also a rank of the ``RankSet`` (``router.vllm_ranks``).
+        ``routed``: the engine is also a rank of the ``RankSet`` (``router.engines``).
         """
         from kvledger.router.vllm_events import VllmEventSubscriber
 

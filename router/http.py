@@ -17,10 +17,10 @@ is derived from the tenant, so probes, routes and cached tokens never show
 another tenant's prompts, and the event stream, the cluster report and the
 metrics, which show every tenant's, want an admin key.
 
-A completion a vLLM server serves comes back as the server's own answer (its
-text, usage and ids), streamed event by event when asked, plus the
-``kvledger`` block: the rank, the cached tokens the router predicted and the
-ones the engine delivered. Metrics live in a registry of the app's own, filled
+A completion comes back as the engine's own answer (its text, usage and ids;
+``router.engine``), streamed chunk by chunk when asked, plus the ``kvledger``
+block: the rank, the cached tokens the router predicted and the ones the
+engine delivered. Metrics live in a registry of the app's own, filled
 at scrape time from the service's counters (the service itself does not know
 Prometheus).
 """
@@ -47,13 +47,12 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvledger.router.openai_types import (ChatBody, CompletionBody, ProbeBody, RouteBody, completion_answer,
-                                          make_choice, sse, usage, whole_as_stream)
+from kvledger.router.engine import EngineRefusedError, cached_tokens_of
+from kvledger.router.models import UnknownModelError
+from kvledger.router.openai_types import ChatBody, CompletionBody, ProbeBody, RouteBody, sse
 from kvledger.router.policies import NoLiveRankError, RankState
-from kvledger.router.service import (OWN_MODEL, CompletionResult, EngineRefusedError, OverloadedError, RouterService,
-                                     UnknownModelError)
+from kvledger.router.service import CompletionResult, OverloadedError, RouterService, Streamed
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
-from kvledger.router.vllm_ranks import cached_tokens_of
 
 logger = logging.getLogger(__name__)
 
@@ -163,17 +162,17 @@ class _ServiceCollector:
                                  ("kvledger_index_snapshots", t.snapshots, "Snapshots loaded")):
             yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("kvledger_shed_completions", "Completions refused with 429 (no room now)",
-                                  value=svc.stats.shed)
+                                  value=svc.tally.stats.shed)
         running, queued = svc.admission.counts()
         yield GaugeMetricFamily("kvledger_router_queued_completions", "Completions waiting for a slot on the ranks",
                                 value=queued)
         yield GaugeMetricFamily("kvledger_router_running_completions", "Completions holding a slot on the ranks",
                                 value=running)
-        h = svc.probe_latency()
+        h = svc.tally.probe_latency()
         yield HistogramMetricFamily("kvledger_probe_latency_seconds", "Index probe latency",
                                     buckets=[("+Inf" if math.isinf(le) else repr(le), n) for le, n in h.cumulative()],
                                     sum_value=h.sum)
-        g = svc.cached_gap()
+        g = svc.tally.cached_gap()
         yield HistogramMetricFamily("kvledger_cached_tokens_gap", "Delivered minus predicted cached tokens per "
                                     "completion (negative: the index promised more than the rank reused)",
                                     buckets=[("+Inf" if math.isinf(le) else repr(float(le)), n)
@@ -298,38 +297,21 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     def models(_: User) -> dict:
         created = int(time.time())
         return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": "kvledger" if m == OWN_MODEL else "vllm",
-             "kvledger": {"ranks": ranks}} for m, ranks in service.models().items()]}
+            {"id": m.name, "object": "model", "created": created, "owned_by": m.info.owned_by,
+             "kvledger": {"ranks": m.ranks}} for m in service.models.catalogue().values()]}
 
     def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int],
                  chat: bool) -> Response:
-        own = model == OWN_MODEL
-        samplings = [body.own_sampling(model, i) for i in range(body.n)] if own else []
         fields = body.sampling()
-        if model != OWN_MODEL:
-            fields["n"] = body.n
         if chat:
             fields["messages"] = body.message_dicts()
         args = dict(max_tokens=body.max_new, cache_salt=who.salt(body.cache_salt), lora_id=body.lora_id,
-                    model=model, engine_fields=fields, chat=chat)
-        if body.stream and model != OWN_MODEL:
+                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n)
+        if body.stream:
             return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
                                      media_type="text/event-stream")
-        results = ([service.complete(tokens, priority=body.priority, sampling=sp, **args) for sp in samplings]
-                   if own else [service.complete(tokens, priority=body.priority, **args)])
-        first = results[0]
-        if first.engine_answer is not None:
-            answer = first.engine_answer
-        else:
-            choices = [make_choice(r.output_tokens, r.logprobs, r.top_logprobs, body.stops(), chat) for r in results]
-            answer = completion_answer(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", model, choices,
-                                       usage(first.prompt_tokens, sum(len(r.output_tokens) for r in results),
-                                             first.cached_tokens), chat)
-        answer = {**answer, "kvledger": _kvledger_block(first)}
-        if body.stream:   # own ranks answer whole: a chunk per choice, then the usage when asked
-            return StreamingResponse(whole_as_stream(answer, body.include_usage, chat),
-                                     media_type="text/event-stream")
-        return JSONResponse(answer)
+        result = service.complete(tokens, **args)
+        return JSONResponse({**result.answer, "kvledger": _kvledger_block(result)})
 
     def in_worker_thread(fn: Callable[[], Response]) -> Awaitable[Response]:
         """Run a completion on a thread of the app's own pool, as large as the router's admission bounds: the
@@ -344,20 +326,20 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     @app.post("/v1/completions", responses=GENERATED)
     async def completions(body: CompletionBody, who: User) -> Response:
         def run() -> Response:
-            model, tokens = service.encode(body.prompt, body.model)
+            model, tokens = service.models.encode(body.prompt, body.model)
             return generate(body, who, model, tokens, chat=False)
         return await in_worker_thread(run)
 
     @app.post("/v1/chat/completions", responses=GENERATED)
     async def chat_completions(body: ChatBody, who: User) -> Response:
         def run() -> Response:
-            model, tokens = service.encode_chat(body.message_dicts(), body.model)
+            model, tokens = service.models.encode_chat(body.message_dicts(), body.model)
             return generate(body, who, model, tokens, chat=True)
         return await in_worker_thread(run)
 
     @app.post("/v1/route")
     def route(body: RouteBody, who: User) -> dict:
-        model, tokens = service.encode(body.prompt, body.model)
+        model, tokens = service.models.encode(body.prompt, body.model)
         d = service.route(tokens, max_tokens=body.max_tokens, cache_salt=who.salt(body.cache_salt),
                           lora_id=body.lora_id, model=model)
         ranks = sorted(set(d.scores) | set(d.matched_tokens))
@@ -368,7 +350,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
 
     @app.post("/v1/probe")
     def probe(body: ProbeBody, who: User) -> dict:
-        _, tokens = service.encode(body.prompt, body.model)
+        _, tokens = service.models.encode(body.prompt, body.model)
         got = service.probe(tokens, lora_id=body.lora_id, cache_salt=who.salt(body.cache_salt), exact=body.exact)
         foreign = service.feed.foreign_engines()
         ranks = []
@@ -398,7 +380,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
 
     @app.get("/health")
     def health() -> JSONResponse:
-        live = service.ranks.live()
+        live = service.engines.live()
         return JSONResponse({"status": "ok" if live else "no_live_rank", "live_ranks": live},
                             status_code=200 if live else 503)
 
@@ -425,8 +407,8 @@ def _kvledger_block(res: CompletionResult) -> dict:
             "retries": res.retries, "output_token_ids": res.output_tokens, "policy": res.decision.policy}
 
 
-def _relay(events: Iterator[tuple[int, int, dict | str]], usage: bool) -> Iterator[bytes]:
-    """A vLLM server's events as they come; its usage event (the router always asks for it) only when the client
+def _relay(events: Streamed, usage: bool) -> Iterator[bytes]:
+    """An engine's chunks as they come; its usage chunk (the router always asks for one) only when the client
     did, carrying the ``kvledger`` block."""
     for rank, predicted, ev in events:
         if isinstance(ev, dict) and ev.get("usage") and not ev.get("choices"):

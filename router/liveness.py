@@ -3,7 +3,7 @@
 A rank is *down* from the moment any call finds it lost (``mark_down``) until
 a health round sees it ready again (``update``); ``live`` lists the others.
 The Ray cluster, the in-process cluster and the router's vLLM servers
-(``router.vllm_ranks``) keep their ranks' liveness here, so "down until its
+(``router.engines``) keep their ranks' liveness here, so "down until its
 health check sees it back" means the same in all three.
 """
 from __future__ import annotations

@@ -2,26 +2,21 @@
 
 Bodies are pydantic models: a field of the wrong type or out of range is a 400
 naming it (``router.http``), an unknown field is ignored, as vLLM ignores it.
-The sampling parameters go to a vLLM server as the client sent them; for
-kvledger's own ranks they become the reference engine's ``Sampling``
-(temperature, top-p, top-k, seed, log-probabilities; greedy at temperature 0),
-stop strings cut the text here, and a parameter the engine cannot honour (the
-penalties) is refused by name rather than silently dropped. ``n`` choices are
-served as ``n`` requests (the later ones reuse the first one's cached prompt),
-choice ``i`` seeded ``seed + i``.
+The sampling parameters go to the engine as the client sent them
+(``Generation.fields``); what kvledger's own ranks make of them is
+``router.own_engine``'s. The answers are built here for engines that make
+token ids, not text (``make_choice`` with the model's ``decode``).
 """
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from kvledger.worker.engine.tokenizer import decode
-from kvledger.worker.wire.request import Sampling
 
 MAX_TOKENS = 4096
 """The most tokens one request may ask for."""
@@ -85,28 +80,8 @@ class _Sampled(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling(self) -> dict:
-        """The sampling parameters given, as a vLLM server is sent them."""
+        """The sampling parameters given, as the engine is sent them (``Generation.fields``)."""
         return {k: v for k in SAMPLING if (v := getattr(self, k, None)) is not None}
-
-    def own_sampling(self, model: str, choice: int) -> Sampling:
-        """How the reference engine samples choice ``choice`` (seeded ``seed + choice``, so the ``n`` choices
-        differ but repeat); a parameter it cannot honour is refused by name."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0):
-                raise ParamError(name, f"{name}={value!r}: the {model} ranks apply no penalties (vLLM servers "
-                                       "take every sampling parameter)")
-        return Sampling(self.temperature or 0.0, 1.0 if self.top_p is None else self.top_p,
-                        max(self.top_k or 0, 0), None if self.seed is None else self.seed + choice,
-                        self.top_logprob_count)
-
-    @property
-    def top_logprob_count(self) -> int | None:
-        """How many of the most likely tokens' log-probabilities to return per token (``None``: none at all)."""
-        return None
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 #: The sampling parameters a vLLM server gets as the client sent them (``n`` and the token limits apart).
@@ -121,10 +96,6 @@ class CompletionBody(_Sampled):
     """Text (tokenized the way the model's engines tokenize, ``router.prompt_tokenizer``) or token ids."""
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
-    @property
-    def top_logprob_count(self) -> int | None:
-        return self.logprobs
-
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -137,12 +108,6 @@ class ChatBody(_Sampled):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-
-    @property
-    def top_logprob_count(self) -> int | None:
-        if self.top_logprobs and not self.logprobs:
-            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
-        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict]:
         return [m.model_dump() for m in self.messages]
@@ -185,8 +150,17 @@ class Choice:
     logprobs: dict | None
 
 
+Decode = Callable[[Iterable[int]], str]
+
+
+def stops_of(fields: dict) -> list[str]:
+    """The request's stop strings (``stop``: one or a list)."""
+    stop = fields.get("stop")
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 def make_choice(tokens: list[int], logprobs: list[float] | None, top: list[list[tuple[int, float]]] | None,
-                stops: list[str], chat: bool) -> Choice:
+                stops: list[str], chat: bool, decode: Decode) -> Choice:
     """The choice's text, cut before the first stop string (``finish_reason`` ``stop``; else ``length``), and its
     log-probabilities in the completions or the chat shape, for the tokens that made the text."""
     text, reason = decode(tokens), "length"
@@ -207,10 +181,10 @@ def make_choice(tokens: list[int], logprobs: list[float] | None, top: list[list[
         return Choice(text, reason, {"content": content})
     offsets = [len(decode(tokens[:i])) for i in range(n)]
     return Choice(text, reason, {"tokens": pieces, "token_logprobs": logprobs[:n], "text_offset": offsets,
-                                 "top_logprobs": [_by_text(top[i] if top else []) for i in range(n)]})
+                                 "top_logprobs": [_by_text(top[i] if top else [], decode) for i in range(n)]})
 
 
-def _by_text(top: list[tuple[int, float]]) -> dict[str, float]:
+def _by_text(top: list[tuple[int, float]], decode: Decode) -> dict[str, float]:
     """Completions' ``top_logprobs`` are keyed by token text; byte tokens that decode alike keep the likeliest."""
     out: dict[str, float] = {}
     for t, v in top:
@@ -235,9 +209,8 @@ def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def whole_as_stream(answer: dict, include_usage: bool, chat: bool) -> Iterator[bytes]:
-    """An answer computed whole (kvledger's own ranks), streamed as OpenAI streams: a chunk per choice, the usage
-    chunk when asked (carrying the ``kvledger`` block), then ``[DONE]``."""
+def answer_chunks(answer: dict, chat: bool) -> Iterator[dict | str]:
+    """An answer computed whole, as OpenAI streams one: a chunk per choice, the usage chunk, then ``[DONE]``."""
     head = {"id": answer["id"], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": answer["created"], "model": answer["model"]}
     for c in answer["choices"]:
@@ -246,7 +219,6 @@ def whole_as_stream(answer: dict, include_usage: bool, chat: bool) -> Iterator[b
                       "logprobs": None, "finish_reason": c["finish_reason"]}
         else:
             choice = c
-        yield sse({**head, "choices": [choice]})
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": answer["usage"], "kvledger": answer["kvledger"]})
-    yield sse("[DONE]")
+        yield {**head, "choices": [choice]}
+    yield {**head, "choices": [], "usage": answer["usage"]}
+    yield "[DONE]"

@@ -1,8 +1,9 @@
 """Text prompts into token ids, the way the engine that serves them will tokenize them.
 
 The router hashes token ids, so a text prompt must become exactly the ids the
-engine computes KV for, or no probe ever matches. Kvledger's own ranks take the
-byte tokenizer (``kvledger.worker.engine.tokenizer``). A vLLM engine's prompt
+engine computes KV for, or no probe ever matches. Kvledger's own ranks hand
+the router their tokenizer in their ``RankInfo`` (the reference engine's
+bytes). A vLLM engine's prompt
 is tokenized with its model's Hugging Face tokenizer (``tokenizer.json`` read
 by the ``tokenizers`` library, special tokens added as a completion adds them)
 when the model's files are readable here, else by the server itself
@@ -14,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from kvledger.worker.engine.tokenizer import encode
 
 
 class PromptTokenizer(Protocol):
@@ -24,15 +24,6 @@ class PromptTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``add_special_tokens=False`` for a text a chat template rendered (it has its own)."""
         ...
-
-
-class ByteTokenizer:
-    """The reference engine's byte-level tokenizer."""
-
-    name = "bytes"
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return encode(text)   # it has no special tokens
 
 
 class HfTokenizer:

@@ -1,14 +1,15 @@
-"""The ranks as the router sees them: one typed interface, whatever stands behind it.
+"""kvledger's own ranks as the router reaches them: a rank with a ledger, and the cluster of them.
 
 A ``RankClient`` is one rank with named methods returning wire types
-(``kvledger.worker.wire``); a ``RankSet`` is the cluster of them the router
-routes over: which ranks are live, the client of each, and how to move a
-prefix between two of them. The router knows nothing else about ranks, so the
-same service runs over kvledger's own Ray rank actors
-(``kvledger.coordinator.cluster.Cluster``), ranks in this process
-(``kvledger.coordinator.local_cluster.LocalCluster``), or engines reached over
-HTTP and ZMQ, which answer the same questions from their own API and event
-stream.
+(``kvledger.worker.wire``): serving, load and info, and what only a ledger
+answers (an exact probe, event replay and snapshots, export and import for
+migration). The router generates through the ``Engine`` interface
+(``router.engine``) that every engine has; it reaches a ``RankClient``'s
+ledger calls by the capabilities an engine lists (``router.engines``). A
+``RankSet`` is the cluster of such ranks: which are live, the client of each,
+and how to move a prefix between two of them; the same router runs over
+kvledger's Ray rank actors (``kvledger.coordinator.cluster.Cluster``) and
+ranks in this process (``kvledger.coordinator.local_cluster.LocalCluster``).
 
 Every way a rank can be lost (its process died, it does not answer in time, it
 restarted and has no ledger yet) reaches the router as ``RankDiedError``; the
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot
-from kvledger.worker.wire.messages import ExportTicket, ImportTicket, RankLoad, ServeReply
+from kvledger.worker.wire.messages import ExportTicket, ImportTicket, RankInfo, RankLoad, ServeReply
 from kvledger.worker.wire.request import Request
 
 
@@ -56,6 +57,10 @@ class RankClient(Protocol):
 
     def load(self) -> RankLoad:
         """Its queue, blocks per tier and hit rate, in one call (``ready=False``: it has no ledger yet)."""
+        ...
+
+    def info(self) -> RankInfo:
+        """What it is: device, blocks, the model it serves and that model's tokenizer."""
         ...
 
     def poll_events(self) -> PublishedBatch | None:

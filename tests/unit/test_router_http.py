@@ -114,8 +114,11 @@ def test_models_and_a_streamed_completion_as_server_sent_events(router):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
     text, usage = chunks
-    assert text["choices"][0]["text"] == decode(usage["kvledger"]["output_token_ids"]) and "usage" not in text
+    whole = client.post("/v1/completions", json={**body, "stream": False}).json()
+    assert text["choices"][0]["text"] == whole["choices"][0]["text"] and "usage" not in text
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert usage["kvledger"]["rank"] in (0, 1) and usage["kvledger"]["cached_tokens"] == \
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 @pytest.mark.parametrize("body, param, needle", [
@@ -131,7 +134,7 @@ def test_models_and_a_streamed_completion_as_server_sent_events(router):
     ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
     ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
     ({"prompt": [1, 600]}, "prompt", "vocabulary"),
-    ({"prompt": list(range(1, 400)), "max_tokens": 4096}, "prompt", "need 1124 blocks of 4 tokens; the largest rank's"),
+    ({"prompt": list(range(1, 400)), "max_tokens": 4096}, "prompt", "the request needs 4495 (399 in the prompt"),
     ({"max_tokens": 3}, "prompt", "Field required"),
 ])
 def test_bad_requests_get_400_naming_the_field_and_change_nothing(router, body, param, needle):

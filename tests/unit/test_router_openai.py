@@ -21,7 +21,8 @@ from kvledger.coordinator.router_actor import RouterActorConfig
 from kvledger.router.chat import render_plain
 from kvledger.router.config import RouterConfig
 from kvledger.router.http import HttpServer, make_app
-from kvledger.router.service import OWN_MODEL, RouterService
+from kvledger.router.service import RouterService
+from kvledger.worker.engine.reference import MODEL_NAME as OWN_MODEL
 from kvledger.router.tenants import ApiKeys
 from kvledger.worker.engine.tokenizer import encode
 from kvledger.worker.ledger import CacheConfig
@@ -138,7 +139,7 @@ def test_errors_arrive_as_the_sdks_exceptions_with_our_messages(router) -> None:
         client.completions.create(model=OWN_MODEL, prompt="x", frequency_penalty=1.0)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
         client.chat.completions.create(model=OWN_MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="need 1001 blocks of 4 tokens; the largest rank's pool holds"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is .* tokens; the request needs 4001"):
         client.completions.create(model=OWN_MODEL, prompt=[5] * 4000, max_tokens=1)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=OWN_MODEL, prompt="x", n=100)

@@ -246,5 +246,5 @@ def test_a_full_rank_queue_is_a_429_to_the_client_and_what_was_taken_is_served()
     assert served and shed and len(served) + len(shed) == gate.parties
     assert all("busy" in str(e) and e.retry_after_s == 1 for e in shed)
     assert all(len(r.output_tokens) == 400 for r in served)
-    assert svc.stats.shed == len(shed) and svc.stats.completions == len(served)
+    assert svc.tally.stats.shed == len(shed) and svc.tally.stats.completions == len(served)
     assert w.load().served_requests == len(served) and w.load().refused_requests == len(shed)

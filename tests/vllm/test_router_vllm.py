@@ -22,7 +22,8 @@ from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
 from kvledger.router.http import HttpServer, make_app
 from kvledger.router.prompt_tokenizer import HfTokenizer
-from kvledger.router.service import OWN_MODEL, RouterService
+from kvledger.router.service import RouterService
+from kvledger.worker.engine.reference import MODEL_NAME as OWN_MODEL
 from kvledger.worker.ledger import CacheConfig
 
 pytestmark = pytest.mark.timeout(int(START_TIMEOUT_S) + 600)   # set-up starts both engines
@@ -208,7 +209,7 @@ def test_a_stream_holds_its_admission_slot_until_it_ends_and_one_past_the_bounds
             assert service.admission.counts() == (1, 0)
             del dropped
             assert service.admission.counts() == (0, 0), "a stream dropped unread gives its slot back"
-            assert service.stats.shed == 2
+            assert service.tally.stats.shed == 2
     finally:
         server.stop()
         service.close()

@@ -14,11 +14,15 @@ import torch
 
 from kvledger.worker.engine.model import TinyDecoder
 from kvledger.worker.engine.sampler import Sampler, TokenLogprobs
-from kvledger.worker.engine.tokenizer import VOCAB_SIZE
+from kvledger.worker.engine.tokenizer import VOCAB_SIZE, ByteTokenizer
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.manager import KVCacheManager
 from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.request import Request
+
+#: The model the reference engine serves, as the router lists it.
+MODEL_NAME = "kvledger-reference"
+TOKENIZER = ByteTokenizer()
 
 
 @dataclass(slots=True)

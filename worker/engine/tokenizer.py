@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 VOCAB_SIZE = 512
 BOS, EOS, PAD = 256, 257, 258
@@ -45,3 +46,18 @@ def decode(ids: Iterable[int]) -> str:
         if t < NUM_BYTES:
             out.append(t)
     return out.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class ByteTokenizer:
+    """This tokenizer as an object a rank hands the router in its ``RankInfo``, so the router tokenizes text
+    prompts and decodes answers the rank's way without importing the engine."""
+
+    name: str = "bytes"
+    vocab_size: int = VOCAB_SIZE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return encode(text)   # it has no special tokens
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return decode(ids)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvledger.worker.device import resolve_device
-from kvledger.worker.engine.reference import ReferenceEngine
+from kvledger.worker.engine.reference import MODEL_NAME, TOKENIZER, ReferenceEngine
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.manager import KVCacheManager
 from kvledger.worker.rank.books import RankBooks
@@ -98,7 +98,8 @@ class RankWorker:
         mgr = self.books.manager
         return RankInfo(self.rank, str(self.device), self.group.backend, self.group.joined, mgr is not None,
                         self.template.tokens_per_block, 0 if mgr is None else mgr.num_primary,
-                        0 if mgr is None else mgr.num_secondary, dataclasses.asdict(self.transfers.counts))
+                        0 if mgr is None else mgr.num_secondary, dataclasses.asdict(self.transfers.counts),
+                        MODEL_NAME, TOKENIZER)
 
     def snapshot(self) -> list[StoredBlock]:
         with self.books.lock:

@@ -116,6 +116,11 @@ class RankInfo:
     host_blocks: int = 0
     transfers: dict[str, int] = field(default_factory=dict)
     """How this rank's migrations moved their bytes: sent/received straight from the pool or through staging."""
+    model: str = ""
+    """The model the rank serves (the reference engine's name)."""
+    tokenizer: object = None
+    """The model's tokenizer: ``encode(text, add_special_tokens)``, ``decode(ids)``, ``name`` and ``vocab_size``
+    (``router.prompt_tokenizer.PromptTokenizer``), so the router needs no import from the engine."""
 
 
 @dataclass(frozen=True, slots=True)

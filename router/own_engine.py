@@ -1,0 +1,128 @@
+"""kvledger's own ranks as ``Engine``s: a generation becomes the reference engine's requests, its outcomes OpenAI's
+answer.
+
+The ``n`` samplings of one generation are one ``serve`` call of ``n`` requests
+on the one rank it was routed to, choice ``i`` seeded ``seed + i`` (so the
+choices differ but repeat). The sampling parameters become the reference
+engine's ``Sampling`` (temperature, top-p, top-k, seed, log-probabilities;
+greedy at temperature 0); a parameter it cannot honour (the penalties) is
+refused by name rather than silently dropped, and stop strings cut the text
+here. The rank's own events come back with its reply and go to the router's
+feed (``publish``) before the answer leaves, so the next prompt sharing the
+prefix is routed on what this one stored.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from kvledger.router.chat import render_plain
+from kvledger.router.engine import LEDGER, EngineInfo, Generated, Generation
+from kvledger.router.openai_types import (MAX_N, ParamError, answer_chunks, completion_answer, make_choice, stops_of,
+                                          usage)
+from kvledger.router.rank_client import RankClient
+from kvledger.worker.wire.batches import PublishedBatch
+from kvledger.worker.wire.messages import RankInfo, RankLoad
+from kvledger.worker.wire.request import Request, RetentionConfig, Sampling, TokenRange
+
+PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
+class PlainChat:
+    """The reference engine's chat template (``router.chat.render_plain``)."""
+
+    def render(self, messages) -> str:
+        return render_plain(messages)
+
+
+def engine_info(info: RankInfo) -> EngineInfo:
+    """What a ready rank reports, as the router needs it: its pool bounds the context."""
+    tok = info.tokenizer
+    return EngineInfo(info.model, info.tokens_per_block, tok, info.device_blocks * info.tokens_per_block,
+                      tok.vocab_size, PlainChat(), LEDGER)
+
+
+def retention_for(priority: int | None) -> RetentionConfig | None:
+    """The whole prompt and its decoded blocks at ``priority`` (``None``: the ledger's default)."""
+    if priority is None:
+        return None
+    return RetentionConfig(ranges=(TokenRange(0, None, priority),), decode_priority=priority)
+
+
+def sampling_of(job: Generation, model: str, choice: int) -> Sampling:
+    """How the reference engine samples choice ``choice`` of ``job``."""
+    f = job.fields
+    for name in PENALTIES:
+        if f.get(name) not in (None, 0):
+            raise ParamError(name, f"{name}={f[name]!r}: the {model} ranks apply no penalties (vLLM servers take "
+                                   "every sampling parameter)")
+    seed, top_p = f.get("seed"), f.get("top_p")
+    return Sampling(f.get("temperature") or 0.0, 1.0 if top_p is None else top_p, max(f.get("top_k") or 0, 0),
+                    None if seed is None else seed + choice, _top_logprobs(job))
+
+
+def _top_logprobs(job: Generation) -> int | None:
+    """How many of the likeliest tokens' log-probabilities each token reports (``None``: none at all): the
+    completions API's ``logprobs`` count, or the chat API's ``logprobs`` switch and ``top_logprobs`` count."""
+    if not job.chat:
+        return job.fields.get("logprobs")
+    on, top = job.fields.get("logprobs"), job.fields.get("top_logprobs")
+    if top and not on:
+        raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if on else None
+
+
+class OwnEngine:
+    """One own rank behind its ``RankClient`` (see the module docstring)."""
+
+    def __init__(self, client: RankClient, info: EngineInfo,
+                 publish: Callable[[int, PublishedBatch], None]) -> None:
+        self.client = client
+        self._info = info
+        self._publish = publish
+
+    @property
+    def rank(self) -> int:
+        return self.client.rank
+
+    def info(self, refresh: bool = False) -> EngineInfo:
+        if refresh:
+            self._info = engine_info(self.client.info())
+        return self._info
+
+    def requests(self, job: Generation) -> list[Request]:
+        """The ``n`` requests of ``job`` (ids ``request_id`` on), each checked; ``ValueError`` names a bad one."""
+        if not 1 <= job.n <= MAX_N:
+            raise ParamError("n", f"n must be 1..{MAX_N}, got {job.n!r}")
+        out = [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
+                       retention=retention_for(job.priority), sampling=sampling_of(job, self._info.model, i))
+               for i in range(job.n)]
+        for r in out:
+            r.validate()
+        return out
+
+    def check(self, job: Generation) -> None:
+        self.requests(job)
+
+    def generate(self, job: Generation) -> Generated:
+        reply = self.client.serve(self.requests(job), publish=True)
+        if reply.events is not None:
+            self._publish(self.rank, reply.events)
+        decode, stops = self._info.tokenizer.decode, stops_of(job.fields)
+        choices = [make_choice(o.output_tokens, o.logprobs, o.top_logprobs, stops, job.chat, decode)
+                   for o in reply.outcomes]
+        first = reply.outcomes[0]
+        answer = completion_answer(f"{'chatcmpl' if job.chat else 'cmpl'}-{job.request_id}", self._info.model,
+                                   choices, usage(len(job.tokens), sum(len(o.output_tokens) for o in reply.outcomes),
+                                                  first.cached_tokens), job.chat)
+        return Generated(answer, first.output_tokens, first.cached_tokens,
+                         sum(o.onboarded_blocks for o in reply.outcomes))
+
+    def stream(self, job: Generation) -> Iterator[dict | str]:
+        """The answer computed whole, then streamed as OpenAI streams it: a chunk per choice, usage, ``[DONE]``."""
+        yield from answer_chunks(self.generate(job).answer, job.chat)
+
+    def load(self) -> RankLoad:
+        return self.client.load()
+
+    def close(self) -> None:
+        """The rank's set closes its clients."""

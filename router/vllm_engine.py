@@ -1,0 +1,110 @@
+"""A real vLLM server as an ``Engine``: generations through its OpenAI API, its load from its metrics.
+
+The server does its own sampling, stop strings and ``n`` choices, so a
+generation goes to it as the client's fields plus the prompt as the token ids
+the router hashed (a chat keeps its messages: the server renders them as the
+router did). Its answer comes back as it is. A server that does not answer is
+lost (``RankDiedError``); one that answers with an error refused the request
+(``EngineRefusedError``), with its status and body. Its events reach the index
+over ZMQ (``router.vllm_events``), from where ``info().events`` says.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvledger.router.chat import ChatTemplate
+from kvledger.router.engine import EngineInfo, EngineRefusedError, Generated, Generation, cached_tokens_of
+from kvledger.router.prompt_tokenizer import PromptTokenizer, engine_tokenizer
+from kvledger.router.rank_client import RankDiedError
+from kvledger.router.vllm_server import (CHAT_COMPLETIONS, COMPLETIONS, EngineUnreachableError, VllmServer,
+                                         VllmServerInfo)
+from kvledger.worker.wire.messages import RankLoad
+
+
+class VllmEngine:
+    """One vLLM server under router rank ``rank`` (see the module docstring)."""
+
+    def __init__(self, rank: int, server: VllmServer, found: VllmServerInfo, tokenizer: PromptTokenizer) -> None:
+        self._rank = rank
+        self.server = server
+        self._tokenizer = tokenizer
+        self._info = self._info_of(found)
+
+    @classmethod
+    def connect(cls, rank: int, url: str, tokenizer_path: str | None = None, timeout_s: float = 10.0) -> VllmEngine:
+        """Discover the server at ``url`` (``VllmServer.discover``) and pick its tokenizer."""
+        server = VllmServer(url, timeout_s)
+        try:
+            found = server.discover()
+        except EngineUnreachableError:
+            server.close()
+            raise
+        return cls(rank, server, found, engine_tokenizer(server, found.model, found.model_root, tokenizer_path))
+
+    def _info_of(self, found: VllmServerInfo) -> EngineInfo:
+        self._blocks = found.num_blocks or 0
+        return EngineInfo(found.model, found.block_size or 0, self._tokenizer, found.max_model_len, None,
+                          ChatTemplate.of_model(found.model_root), frozenset(), "vllm", found.url, found.events)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def info(self, refresh: bool = False) -> EngineInfo:
+        """What it serves; ``refresh`` asks it anew (a restarted server may publish elsewhere)."""
+        if refresh:
+            try:
+                self._info = self._info_of(self.server.discover())
+            except (EngineUnreachableError, ValueError) as e:
+                raise RankDiedError(self._rank, f"it answers /health but not discovery: {e}") from e
+        return self._info
+
+    def healthy(self) -> bool:
+        return self.server.healthy()
+
+    def check(self, job: Generation) -> None:
+        """The server checks its own input."""
+
+    def _body(self, job: Generation) -> tuple[str, dict]:
+        body = {**job.fields, "model": self._info.model, "max_tokens": job.max_tokens, "n": job.n}
+        if not job.chat:
+            body["prompt"] = list(job.tokens)
+        if job.cache_salt is not None:
+            body["cache_salt"] = job.cache_salt
+        return CHAT_COMPLETIONS if job.chat else COMPLETIONS, body
+
+    def generate(self, job: Generation) -> Generated:
+        path, body = self._body(job)
+        try:
+            status, answer = self.server.complete(body, path)
+        except EngineUnreachableError as e:
+            raise RankDiedError(self._rank, str(e)) from e
+        if status != 200:
+            raise EngineRefusedError(status, answer)
+        first = answer["choices"][0] if answer.get("choices") else {}
+        return Generated(answer, list(first.get("token_ids") or []), cached_tokens_of(answer))
+
+    def stream(self, job: Generation) -> Iterator[dict | str]:
+        """The server's own chunks, a usage chunk asked for (the router counts what it delivered)."""
+        path, body = self._body(job)
+        events = self.server.stream({**body, "stream": True, "stream_options": {"include_usage": True}}, path)
+        try:
+            for ev in events:
+                if isinstance(ev, dict) and "status" in ev and "error" in ev:
+                    raise EngineRefusedError(ev["status"], ev["error"])
+                yield ev
+        except EngineUnreachableError as e:
+            raise RankDiedError(self._rank, str(e)) from e
+
+    def load(self) -> RankLoad:
+        """Queue and KV usage from the server's ``/metrics``; its blocks from its cache config."""
+        try:
+            got = self.server.load()
+        except EngineUnreachableError as e:
+            raise RankDiedError(self._rank, str(e)) from e
+        total = self._blocks
+        used = min(total, round(got.kv_usage * total))
+        return RankLoad(self._rank, True, True, 0, got.waiting, got.running, 0, used, total - used)
+
+    def close(self) -> None:
+        self.server.close()

@@ -64,3 +64,12 @@ def vllm_servers(request, tmp_path_factory):
 
     return start_engines(request, tmp_path_factory,
                          [EngineSpec(block_size=32), EngineSpec(block_size=64, publisher_connects=True)])
+
+
+@pytest.fixture(scope="module")
+def vllm_server(request, tmp_path_factory):
+    """One real vLLM server (block size 32) for one test module, stopped by its process id when it ends."""
+    from vllm_engines import EngineSpec, start_engines
+
+    (server,) = start_engines(request, tmp_path_factory, [EngineSpec(block_size=32)])
+    return server

@@ -127,13 +127,20 @@ def offline_env() -> dict[str, str]:
     return env
 
 
+#: The tiny checkpoint's chat template: each message under its role, then the assistant's turn.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
 _CHECKPOINT_SCRIPT = textwrap.dedent("""
+    import json
+    import pathlib
     import sys
     import torch
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    path, vocab_size, bos, eos, offset, max_len = sys.argv[1], *map(int, sys.argv[2:])
+    path, vocab_size, bos, eos, offset, max_len = sys.argv[1], *map(int, sys.argv[2:-1])
+    CHAT_TEMPLATE = sys.argv[-1]
     vocab = {"<unk>": 0, "<s>": bos, "</s>": eos}
     vocab.update({f"<0x{b:02X}>": offset + b for b in range(256)})
     vocab.update({f"<extra_{i}>": i for i in range(offset + 256, vocab_size)})
@@ -149,6 +156,10 @@ _CHECKPOINT_SCRIPT = textwrap.dedent("""
         assert ids == [bos] + [offset + b for b in text.encode()], (text, ids)
         assert fast.decode(ids, skip_special_tokens=True) == text, (text, ids)
     fast.save_pretrained(path)
+    config_file = pathlib.Path(path) / "tokenizer_config.json"   # the chat template where every reader looks
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    config_file.write_text(json.dumps(tokenizer_config))
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
@@ -165,7 +176,7 @@ def write_tiny_checkpoint(path: Path, python: Path | None = None) -> Path:
     """
     path.mkdir(parents=True, exist_ok=True)
     _check([python or vllm_python(), "-c", _CHECKPOINT_SCRIPT, path, VOCAB_SIZE, BOS_ID, EOS_ID, BYTE_OFFSET,
-            MAX_MODEL_LEN], STEP_TIMEOUT_S)
+            MAX_MODEL_LEN, CHAT_TEMPLATE], STEP_TIMEOUT_S)
     return path
 
 

@@ -22,6 +22,7 @@ from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
 from kvledger.router.http import HttpServer, make_app
 from kvledger.router.prompt_tokenizer import HfTokenizer
+from kvledger.router.engine import Generation
 from kvledger.router.service import RouterService
 from kvledger.worker.engine.reference import MODEL_NAME as OWN_MODEL
 from kvledger.worker.ledger import CacheConfig
@@ -70,19 +71,20 @@ def wait_indexed(service: RouterService, rank: int, tokens: list[int], want: int
 def test_the_router_finds_each_servers_model_block_size_tokenizer_and_events(router, vllm_servers) -> None:
     service, client = router
     model = vllm_servers[0].model_name
-    assert service.models() == {OWN_MODEL: [0, 1], model: [1000, 1001]}
+    models = service.models.catalogue().values()
+    assert {m.name: m.ranks for m in models} == {OWN_MODEL: [0, 1], model: [1000, 1001]}
     listed = client.get("/v1/models").json()["data"]
     assert [(m["id"], m["owned_by"]) for m in listed] == [(OWN_MODEL, "kvledger"), (model, "vllm")]
     for rank, engine in zip((1000, 1001), vllm_servers):
-        e = service.ranks.engine(rank)
-        assert (e.info.block_size, e.info.max_model_len) == (engine.block_size, 2048)
-        assert isinstance(e.tokenizer, HfTokenizer), "the model's files are readable here: its own tokenizer"
+        info = service.engines.engine(rank).info()
+        assert (info.block_size, info.max_context) == (engine.block_size, 2048)
+        assert isinstance(info.tokenizer, HfTokenizer), "the model's files are readable here: its own tokenizer"
         assert service.feed.index.block_size(rank) == engine.block_size
     connected, bound = (service.feed._foreign[r].subscriber.bound for r in (1000, 1001))
     assert not connected and bound, "engine 0's publisher binds (router connects); engine 1's connects to us"
     text = "Tokenized the way the engine will."
     r = httpx.post(f"{vllm_servers[0].url}/tokenize", json={"model": model, "prompt": text}, timeout=30)
-    assert service.encode(text, model) == (model, r.json()["tokens"]) == (model, encode_like_engine(text))
+    assert service.models.encode(text, model) == (model, r.json()["tokens"]) == (model, encode_like_engine(text))
     report = client.get("/v1/cluster").json()
     assert [(f["rank"], f["endpoint"], f["live"], f["block_size"]) for f in report["foreign"]] == [
         (1000, vllm_servers[0].url, True, 32), (1001, vllm_servers[1].url, True, 64)]
@@ -90,7 +92,7 @@ def test_the_router_finds_each_servers_model_block_size_tokenizer_and_events(rou
 
 def test_the_same_prefix_goes_to_the_same_engine_and_the_index_predicts_what_it_delivers(router) -> None:
     service, client = router
-    model = service.ranks.engine(1000).info.model
+    model = service.engines.engine(1000).info().model
     first = prompt(5, 300)
     a = complete(client, first, model)
     rank = a["kvledger"]["rank"]
@@ -112,7 +114,7 @@ def test_the_same_prefix_goes_to_the_same_engine_and_the_index_predicts_what_it_
 def test_a_salted_prompt_is_predicted_on_the_engine_that_holds_it(router) -> None:
     """vLLM publishes a prompt's salt among its first block's extra keys; the index keys the chain by it."""
     service, client = router
-    model = service.ranks.engine(1000).info.model
+    model = service.engines.engine(1000).info().model
     tokens = prompt(4, 200)
     first = complete(client, tokens, model, cache_salt="tenant:acme")
     rank = first["kvledger"]["rank"]
@@ -124,11 +126,11 @@ def test_a_salted_prompt_is_predicted_on_the_engine_that_holds_it(router) -> Non
 
 def test_two_block_sizes_in_one_index(router) -> None:
     service, client = router
-    model = service.ranks.engine(1000).info.model
+    model = service.engines.engine(1000).info().model
     tokens = prompt(7, 200)
     for rank in (1000, 1001):   # pin each engine's copy by sending it there directly
-        engine = service.ranks.engine(rank)
-        assert engine.complete({"prompt": tokens, "max_tokens": 1}).status == 200
+        engine = service.engines.engine(rank)
+        assert engine.generate(Generation(rank, tokens, 1)).answer["usage"]["prompt_tokens"] == len(tokens)
     wait_indexed(service, 1000, tokens, 192)   # 199 tokens before the last: 6 blocks of 32
     wait_indexed(service, 1001, tokens, 192)   # ... and 3 of 64
     assert {r: p.matched_tokens for r, p in service.probe(tokens[:100]).items() if r >= 1000} == {1000: 96,
@@ -139,7 +141,7 @@ def test_two_block_sizes_in_one_index(router) -> None:
 
 def test_own_ranks_and_engines_share_the_router_the_event_stream_and_the_metrics(router) -> None:
     service, client = router
-    model = service.ranks.engine(1000).info.model
+    model = service.engines.engine(1000).info().model
     own = complete(client, list(range(1, 70)), OWN_MODEL)
     assert own["kvledger"]["rank"] in (0, 1) and own["model"] == OWN_MODEL
     theirs = complete(client, prompt(8, 100), model)
@@ -159,7 +161,7 @@ def test_own_ranks_and_engines_share_the_router_the_event_stream_and_the_metrics
 
 def test_a_streamed_completion_passes_through_chunk_by_chunk(router) -> None:
     service, client = router
-    model = service.ranks.engine(1000).info.model
+    model = service.engines.engine(1000).info().model
     body = {"prompt": prompt(9, 80), "max_tokens": 5, "model": model, "stream": True, "temperature": 0,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/completions", json=body) as r:
@@ -187,7 +189,7 @@ def test_a_stream_holds_its_admission_slot_until_it_ends_and_one_past_the_bounds
     server = HttpServer(make_app(service), port=0).start()
     try:
         with httpx.Client(base_url=server.url, timeout=120.0) as client:
-            (model,) = (m for m in service.models() if m != OWN_MODEL)
+            (model,) = (m for m in service.models.catalogue() if m != OWN_MODEL)
             tokens = prompt(12, 40)
             running = service.stream(tokens, max_tokens=3, model=model)   # begun: its first event is in
             assert service.admission.counts() == (1, 0), "a stream holds its slot while it runs"
@@ -217,7 +219,7 @@ def test_a_stream_holds_its_admission_slot_until_it_ends_and_one_past_the_bounds
 
 def test_an_engine_killed_under_load_loses_no_request_and_rejoins_after_restart(router, vllm_servers) -> None:
     service, client = router
-    model = service.ranks.engine(1000).info.model
+    model = service.engines.engine(1000).info().model
     victim = vllm_servers[0]
     results: list[int] = []
     started = threading.Event()
@@ -234,15 +236,15 @@ def test_an_engine_killed_under_load_loses_no_request_and_rejoins_after_restart(
         results = [f.result(timeout=300) for f in futures]
     assert results == [200] * 16, "every request was answered, by the engine that survived"
     service.check_health()
-    assert 1000 not in service.ranks.live() and service.feed.index.num_blocks(1000) == 0
+    assert 1000 not in service.engines.live() and service.feed.index.num_blocks(1000) == 0
     assert complete(client, prompt(40, 90), model)["kvledger"]["rank"] == 1001
     victim.restart()
     deadline = time.monotonic() + WAIT_S
-    while 1000 not in service.check_health() and 1000 not in service.ranks.live():
+    while 1000 not in service.check_health() and 1000 not in service.engines.live():
         assert time.monotonic() < deadline, "the restarted engine did not rejoin"
         time.sleep(0.5)   # health rounds are polled: nothing to wait on
     tokens = prompt(41, 100)
-    assert service.ranks.engine(1000).complete({"prompt": tokens, "max_tokens": 1}).status == 200
+    assert service.engines.engine(1000).generate(Generation(1, tokens, 1)).answer["usage"]["prompt_tokens"] == 100
     wait_indexed(service, 1000, tokens, 96)
 
 

@@ -51,7 +51,8 @@ from kvledger.router.engine import EngineRefusedError, cached_tokens_of
 from kvledger.router.models import UnknownModelError
 from kvledger.router.openai_types import ChatBody, CompletionBody, ProbeBody, RouteBody, sse
 from kvledger.router.policies import NoLiveRankError, RankState
-from kvledger.router.service import CompletionResult, OverloadedError, RouterService, Streamed
+from kvledger.router.served import CompletionResult, OverloadedError, Streamed
+from kvledger.router.service import RouterService
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
 
 logger = logging.getLogger(__name__)

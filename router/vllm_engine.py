@@ -3,7 +3,8 @@
 The server does its own sampling, stop strings and ``n`` choices, so a
 generation goes to it as the client's fields plus the prompt as the token ids
 the router hashed (a chat keeps its messages: the server renders them as the
-router did). Its answer comes back as it is. A server that does not answer is
+router did), asking for the output's token ids too. Its answer comes back as
+it is. A server that does not answer is
 lost (``RankDiedError``); one that answers with an error refused the request
 (``EngineRefusedError``), with its status and body. Its events reach the index
 over ZMQ (``router.vllm_events``), from where ``info().events`` says.
@@ -66,7 +67,8 @@ class VllmEngine:
         """The server checks its own input."""
 
     def _body(self, job: Generation) -> tuple[str, dict]:
-        body = {**job.fields, "model": self._info.model, "max_tokens": job.max_tokens, "n": job.n}
+        body = {**job.fields, "model": self._info.model, "max_tokens": job.max_tokens, "n": job.n,
+                "return_token_ids": True}
         if not job.chat:
             body["prompt"] = list(job.tokens)
         if job.cache_salt is not None:

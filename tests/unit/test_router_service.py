@@ -16,7 +16,8 @@ from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
 from kvledger.router.index import ApplyStatus
 from kvledger.router.policies import NoLiveRankError, make_policy
-from kvledger.router.service import OverloadedError, RouterService
+from kvledger.router.served import OverloadedError
+from kvledger.router.service import RouterService
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.rank.scheduler import BatchingConfig
 from kvledger.worker.rank.worker import RankWorker

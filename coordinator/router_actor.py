@@ -120,6 +120,7 @@ class RouterHost:
         self.service = RouterService(self.cluster if actors else None, config.router)
         self._self_handle = _own_handle()
         self._stop = threading.Event()
+        self._round = threading.Lock()
         keys = None if config.api_keys is None else ApiKeys.load(config.api_keys)
         # Listen at once, answering 503 until the index is rebuilt: a restarted router is never a hang.
         self.ready = threading.Event()
@@ -165,14 +166,21 @@ class RouterHost:
             except (RayActorError, GetTimeoutError):
                 self.cluster.mark_down(r)
 
+    def maintenance_round(self) -> list[int]:
+        """One round now, as the maintenance thread runs every ``health_interval_s``: health, publishers, loads.
+        Returns the ranks that came back (a caller that just healed one need not wait for the next round)."""
+        with self._round:
+            back = self.service.check_health()   # own ranks and vLLM servers alike; the index follows
+            if back:
+                logger.info("rank(s) %s are back", back)
+            self._attach_all()   # idempotent; restarts the publisher of a rank that restarted
+            self.service.refresh_loads(force=True)
+            return back
+
     def _maintain(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
             try:
-                back = self.service.check_health()   # own ranks and vLLM servers alike; the index follows
-                if back:
-                    logger.info("rank(s) %s are back", back)
-                self._attach_all()   # idempotent; restarts the publisher of a rank that restarted
-                self.service.refresh_loads(force=True)
+                self.maintenance_round()
             except Exception:  # keep maintaining: one bad round must not stop the router's upkeep
                 logger.exception("router maintenance round failed")
 

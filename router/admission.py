@@ -45,6 +45,7 @@ class AdmissionGate:
     def __init__(self, max_inflight: int, max_queued: int, queue_timeout_s: float) -> None:
         self.max_inflight, self.max_queued, self.queue_timeout_s = max_inflight, max_queued, queue_timeout_s
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._inflight = 0
         self._queue: collections.deque[threading.Event] = collections.deque()
         self.refused = 0
@@ -67,6 +68,12 @@ class AdmissionGate:
         """Completions holding a slot, completions queued."""
         with self._lock:
             return self._inflight, len(self._queue)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until no completion holds or waits for a slot (a router draining; a caller that must know a stream
+        ended on the server's thread); ``False`` if that takes longer than ``timeout_s``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0 and not self._queue, timeout_s)
 
     def _enter(self) -> None:
         with self._lock:
@@ -94,3 +101,4 @@ class AdmissionGate:
                 self._queue.popleft().set()   # the slot passes to the first in line
             else:
                 self._inflight -= 1
+                self._idle.notify_all()

@@ -1,7 +1,10 @@
-"""What the tests of a router over a real local Ray cluster share: prompts of a test's own, and a bounded wait."""
+"""What the tests of a router over a real local Ray cluster share: prompts of a test's own, and bounded waits."""
 from __future__ import annotations
 
+import json
 import time
+
+import httpx
 
 from kvledger.worker.engine.tokenizer import encode
 
@@ -25,3 +28,19 @@ def wait_for(cond, what: str, timeout_s: float = 20.0):
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)   # another process's push: nothing local to wait on
+
+
+def wait_logged(client: httpx.Client, cond, what: str, rank: int | None = None, timeout_s: float = 20.0):
+    """``cond()``, re-checked each time the router logs an event (of ``rank``): an index apply wakes the wait
+    (``GET /v1/events`` long-polls), so nothing sleeps. For what arrives by another process's push."""
+    deadline = time.monotonic() + timeout_s
+    since = client.get("/v1/cluster").json()["router"]["events_logged"]
+    while not (got := cond()):
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out waiting for {what}"
+        params = {"since": since, "limit": 1, "timeout": left, **({} if rank is None else {"rank": rank})}
+        lines = [json.loads(x) for x in client.get("/v1/events", params=params, timeout=left + 10).text.splitlines()
+                 if x]
+        if lines:
+            since = lines[-1]["id"] + 1
+    return got

@@ -29,7 +29,7 @@ from kvledger.worker.rank.faults import TransportFaults
 from kvledger.worker.wire.request import Request
 
 from fake_vllm import FakeVllmPublisher, vllm_stored
-from router_helpers import TIMEOUT, system, wait_for
+from router_helpers import TIMEOUT, system, wait_for, wait_logged
 
 T = 8
 PREFIX = "kvledger-router-test-rank"
@@ -93,8 +93,8 @@ def test_ranks_push_events_that_stream_to_monitors(routed):
     before = totals(client)["events_logged"]   # this test's events only, whatever others logged
     (res,) = cluster.client(1).serve([Request(777, encode(text), 1)]).outcomes
     assert res.cached_tokens == 0
-    wait_for(lambda: client.post("/v1/probe", json={"prompt": text}).json()["ranks"][1]["matched_tokens"] > 0,
-             "the pushed batch to reach the index")
+    wait_logged(client, lambda: client.post("/v1/probe", json={"prompt": text}).json()["ranks"][1]["matched_tokens"],
+                "the pushed batch to reach the index", rank=1)
     pushed = events(client, before, rank=1)
     stored = [e for e in pushed if e["type"] == "BlockStored"]
     assert stored and all(e["rank"] == 1 for e in pushed) and all(e["block_size"] == T for e in stored)
@@ -147,7 +147,7 @@ def test_command_line_route_and_monitor(routed, capsys, monkeypatch):
 
 
 def test_a_rank_that_dies_leaves_the_index_and_its_request_is_served_elsewhere(routed, ray_session):
-    cluster, _, client = routed
+    cluster, handle, client = routed
     shared = system("death")
     text = shared + "Q: who holds this one?"
     before = totals(client)
@@ -170,7 +170,8 @@ def test_a_rank_that_dies_leaves_the_index_and_its_request_is_served_elsewhere(r
             return False
         return all(r["blocks"] is not None for r in client.get("/v1/cluster").json()["ranks"])
 
-    wait_for(rejoined, "the restarted rank to rejoin")
+    assert home in ray_session.get(handle.maintenance_round.remote(), timeout=TIMEOUT), "one forced health round"
+    assert rejoined(), "back in full after the round"
     for prompt in (text, shared + "Q: after the restart"):
         client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         approx = client.post("/v1/probe", json={"prompt": prompt}).json()["ranks"]
@@ -194,8 +195,8 @@ def test_the_router_actor_indexes_a_vllm_engine_given_on_the_command_line(ray_se
         tokens = encode(system("vllm") + "Q: vllm")
         engine.publish([{**vllm_stored([71, 72], None, tokens[:2 * T]), "block_size": T}])
         with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
-            held = wait_for(lambda: [r for r in client.post("/v1/probe", json={"prompt": tokens}).json()["ranks"]
-                                     if r.get("vllm") and r["matched_tokens"]], "the vLLM engine's blocks")
+            held = wait_logged(client, lambda: [r for r in client.post("/v1/probe", json={"prompt": tokens}).json()[
+                "ranks"] if r.get("vllm") and r["matched_tokens"]], "the vLLM engine's blocks")
             assert held[0]["matched_tokens"] == 2 * T and held[0]["vllm"].startswith("tcp://127.0.0.1:")
     finally:
         if handle is not None:
@@ -250,7 +251,7 @@ def test_a_lossy_event_transport_still_gives_the_exact_index(ray_session):
                         return False
                 return True
 
-            wait_for(agrees, "the index to agree with the ledgers", timeout_s=TIMEOUT)
+            wait_logged(client, agrees, "the index to agree with the ledgers", timeout_s=TIMEOUT)
             c = client.get("/v1/cluster").json()
             assert c["router"]["replays"] > 0 and c["router"]["batches_duplicate"] > 0, "the faults did happen"
         for r in range(2):

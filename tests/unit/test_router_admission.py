@@ -67,6 +67,16 @@ def test_a_wait_past_the_timeout_is_refused_and_leaves_the_queue():
         assert gate.counts() == (1, 0)
 
 
+def test_wait_idle_returns_when_the_last_slot_is_given_back_on_another_thread():
+    gate = AdmissionGate(max_inflight=2, max_queued=0, queue_timeout_s=WAIT_S)
+    held = [gate.hold(), gate.hold()]
+    assert not gate.wait_idle(0.01), "two slots are held"
+    releaser = threading.Thread(target=lambda: [h.release() for h in held])
+    releaser.start()
+    assert gate.wait_idle(WAIT_S) and gate.counts() == (0, 0)
+    releaser.join(WAIT_S)
+
+
 def test_the_bench_reports_shed_requests_and_goodput_next_to_ttft():
     ttft = np.array([0.5, GOODPUT_TTFT_S, GOODPUT_TTFT_S + 1, 0.1])
     n = len(ttft)

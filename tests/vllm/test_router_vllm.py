@@ -61,11 +61,14 @@ def complete(client: httpx.Client, tokens: list[int], model: str, **fields) -> d
 
 def wait_indexed(service: RouterService, rank: int, tokens: list[int], want: int,
                  cache_salt: str | None = None) -> None:
-    """Until the index holds ``want`` tokens of ``tokens`` on ``rank`` (bounded)."""
+    """Until the index holds ``want`` tokens of ``tokens`` on ``rank`` (bounded), woken by each event the feed
+    logs for the rank (they arrive on the subscriber's thread)."""
     deadline = time.monotonic() + WAIT_S
+    since = service.feed.log.next_id
     while (got := service.probe(tokens, cache_salt=cache_salt)[rank].matched_tokens) < want:
-        assert time.monotonic() < deadline, f"rank {rank} indexed {got} of {want} tokens after {WAIT_S:g} s"
-        time.sleep(0.02)   # the events arrive on the subscriber's thread: nothing to wait on here
+        left = deadline - time.monotonic()
+        assert left > 0, f"rank {rank} indexed {got} of {want} tokens after {WAIT_S:g} s"
+        _, since = service.feed.wait_events(since, rank, 1000, min(left, 1.0))
 
 
 def test_the_router_finds_each_servers_model_block_size_tokenizer_and_events(router, vllm_servers) -> None:
@@ -203,10 +206,8 @@ def test_a_stream_holds_its_admission_slot_until_it_ends_and_one_past_the_bounds
             with client.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
                 assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
-            deadline = time.monotonic() + WAIT_S
-            while service.admission.counts() != (0, 0):   # the stream's end is seen on the server's thread
-                assert time.monotonic() < deadline, f"the slot is still held: {service.admission.counts()}"
-                time.sleep(0.01)
+            # the stream's end is seen on the server's thread
+            assert service.admission.wait_idle(WAIT_S), f"the slot is still held: {service.admission.counts()}"
             dropped = service.stream(tokens, max_tokens=2, model=model)
             assert service.admission.counts() == (1, 0)
             del dropped
@@ -238,11 +239,8 @@ def test_an_engine_killed_under_load_loses_no_request_and_rejoins_after_restart(
     service.check_health()
     assert 1000 not in service.engines.live() and service.feed.index.num_blocks(1000) == 0
     assert complete(client, prompt(40, 90), model)["kvledger"]["rank"] == 1001
-    victim.restart()
-    deadline = time.monotonic() + WAIT_S
-    while 1000 not in service.check_health() and 1000 not in service.engines.live():
-        assert time.monotonic() < deadline, "the restarted engine did not rejoin"
-        time.sleep(0.5)   # health rounds are polled: nothing to wait on
+    victim.restart()   # returns once its /health answers: one forced health round sees it back
+    assert 1000 in service.check_health() and 1000 in service.engines.live(), "the restarted engine rejoins"
     tokens = prompt(41, 100)
     assert service.engines.engine(1000).generate(Generation(1, tokens, 1)).answer["usage"]["prompt_tokens"] == 100
     wait_indexed(service, 1000, tokens, 96)

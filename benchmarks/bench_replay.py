@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import time
 
-import kvledger.coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
+from kvledger.coordinator.ray_env import configure
 from kvledger.replay.config import BenchConfig
 from kvledger.replay.runner import run
 
 
 def main() -> None:
+    configure()   # before the tiny engine's cluster imports ray
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--speed", type=float, default=4.0)

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import kvledger.coordinator  # noqa: F401  (before ray)
+from kvledger.coordinator.ray_env import configure
 from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRange
 from kvledger.worker.rank.worker import RankWorker
 
@@ -274,6 +274,7 @@ def bench_migration(blocks: list[int], reps: int, device: str) -> None:
 
 
 def main() -> None:
+    configure()   # before the migration bench imports ray
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 512])
     p.add_argument("--reps", type=int, default=5)

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-import kvledger.coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
-from kvledger.coordinator.cluster import Cluster
-from kvledger.coordinator.config import ClusterConfig
-from kvledger.coordinator.ray_env import init_ray
-from kvledger.coordinator.router_actor import RouterActorConfig, start_router
+from kvledger.coordinator.ray_env import configure, init_ray
+
+configure()   # this script starts Ray: its environment first, before the imports below bring ray in
+from kvledger.coordinator.cluster import Cluster  # noqa: E402
+from kvledger.coordinator.config import ClusterConfig  # noqa: E402
+from kvledger.coordinator.router_actor import RouterActorConfig, start_router  # noqa: E402
 
 TIMEOUT_S = 300.0
 

@@ -52,17 +52,18 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-import kvledger.coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
-from kvledger.coordinator.cluster import Cluster
-from kvledger.coordinator.config import ClusterConfig
-from kvledger.coordinator.ray_env import init_ray
-from kvledger.coordinator.router_actor import RouterActorConfig, start_router
-from kvledger.router.config import RouterConfig
-from kvledger.router.rank_client import RankDiedError
-from kvledger.worker.engine.tokenizer import encode
-from kvledger.worker.ledger import CacheConfig
-from kvledger.worker.rank.faults import TransportFaults
-from kvledger.worker.wire.request import Request
+from kvledger.coordinator.ray_env import configure, init_ray
+
+configure()   # this script starts Ray: its environment first, before the imports below bring ray in
+from kvledger.coordinator.cluster import Cluster  # noqa: E402
+from kvledger.coordinator.config import ClusterConfig  # noqa: E402
+from kvledger.coordinator.router_actor import RouterActorConfig, start_router  # noqa: E402
+from kvledger.router.config import RouterConfig  # noqa: E402
+from kvledger.router.rank_client import RankDiedError  # noqa: E402
+from kvledger.worker.engine.tokenizer import encode  # noqa: E402
+from kvledger.worker.ledger import CacheConfig  # noqa: E402
+from kvledger.worker.rank.faults import TransportFaults  # noqa: E402
+from kvledger.worker.wire.request import Request  # noqa: E402
 
 T = 16
 SYSTEMS = [f"System prompt {i}: you answer questions about caches, tersely and correctly. " * 3 for i in range(6)]
@@ -210,7 +211,7 @@ def main() -> None:
     ap.add_argument("--attempts", type=int, default=8, help="attempts a client makes per request")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    import ray  # after kvledger.coordinator set the Ray environment: every socket on 127.0.0.1
+    import ray
 
     rng = random.Random(args.seed)
     init_ray(num_cpus=max(os.cpu_count() or 1, 2), log_to_driver=False)

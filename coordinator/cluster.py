@@ -8,7 +8,7 @@ ledger has the same size. ``Cluster.connect`` finds the actors of a running
 (detached) cluster again by name.
 
 A ``Cluster`` is also the router's ``RankSet``: a typed client per rank
-(``RayRankClient``), the ranks believed live (a rank lost on any call leaves
+(``RayRankClient``, through which every call to a rank actor goes), the ranks believed live (a rank lost on any call leaves
 until ``check_health`` sees it ready again: the one liveness poll, which
 ``heal`` and ``status`` use too), and migrations through the one choreography
 of ``kvledger.coordinator.migration`` with a ``torch.distributed`` send and
@@ -24,13 +24,13 @@ import time
 from collections.abc import Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvledger.coordinator.config import ClusterConfig
 from kvledger.coordinator.migration import MigrationResult, Migrator
-from kvledger.coordinator.rank_client import RayRankClient
+from kvledger.coordinator.rank_client import PendingCall, RayRankClient
 from kvledger.router.liveness import Liveness
 from kvledger.router.rank_client import RankDiedError
 from kvledger.worker.rank.actor import rank_actor_class
@@ -71,7 +71,6 @@ class Cluster:
     def __init__(self, config: ClusterConfig, actors: list, device: str, placement=None,
                  quick_timeout_s: float = QUICK_TIMEOUT_S) -> None:
         self.config = config
-        self.actors = actors
         self.device = device
         self.placement = placement
         self.block_counts: tuple[int, int] | None = None
@@ -82,6 +81,11 @@ class Cluster:
         self.migrator = Migrator(_GroupTransfer(self))
         self.liveness = Liveness()
         self._group_lock = threading.Lock()
+
+    @property
+    def actors(self) -> list[ray.actor.ActorHandle]:
+        """The rank actors' handles, for killing them (tests, chaos); calls go through ``clients``."""
+        return [c.actor for c in self.clients]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -183,29 +187,26 @@ class Cluster:
                 remove_placement_group(ray.util.get_placement_group(f"{self.config.name_prefix}-pg"))
             except Exception:
                 pass
-        self.actors, self.clients = [], []
+        self.clients = []
 
     # ------------------------------------------------------------------ process group
-
-    def get(self, refs, timeout: float | None = None):
-        """``ray.get`` with the cluster's call timeout (every wait on an actor has one)."""
-        return ray.get(refs, timeout=self.config.call_timeout_s if timeout is None else timeout)
 
     def form_group(self) -> tuple[int, int]:
         """(Re)form the process group over every rank, then agree block counts with a MIN all-reduce."""
         with self._group_lock:
             self.generation += 1
             t = self.config.group_timeout_s
-            self.get([a.leave_group.remote() for a in self.actors])
-            host = self.get(self.actors[0].node_ip.remote())
-            port = self.get(self.actors[0].open_store.remote(host, t))
-            self.get([a.join_group.remote(host, port, t, self.generation) for a in self.actors], t + 30)
-            counts = self.get([a.agree_block_counts.remote() for a in self.actors], t + 30)
+            _results([c.leave_group() for c in self.clients])
+            first = self.clients[0]
+            host = first.node_ip()
+            port = first.open_store(host, t)
+            _results([c.join_group(host, port, t, self.generation) for c in self.clients])
+            counts = _results([c.agree_block_counts(t) for c in self.clients])
             if len(set(counts)) != 1:
                 raise ClusterError(f"ranks disagree on block counts after the all-reduce: {counts}")
             self.block_counts = tuple(counts[0])
             logger.info("process group %d formed: %d ranks, %s blocks per tier", self.generation,
-                        len(self.actors), self.block_counts)
+                        len(self.clients), self.block_counts)
             return self.block_counts
 
     # ------------------------------------------------------------------ the router's RankSet
@@ -225,7 +226,7 @@ class Cluster:
     def arm_crash(self, rank: int, point: CrashPoint, after: int = 1) -> dict[str, int]:
         """Have rank ``rank``'s process crash the ``after``-th time it reaches ``point`` (``faults.CrashPoint``);
         the points armed on it now."""
-        return self.client(rank).wait(self.actors[rank].arm_crash.remote(point, after), "arm_crash")
+        return self.client(rank).arm_crash(point, after)
 
     def migrate(self, tokens: Sequence[int], src: int, dst: int, max_blocks: int | None = None,
                 lora_id: int | None = None, cache_salt: str | None = None) -> int:
@@ -245,12 +246,12 @@ class Cluster:
 
     def health(self) -> list[RankLoad | None]:
         """Every rank's load report, asked all at once; ``None`` for a rank that does not answer in time."""
-        refs = [a.load.remote() for a in self.actors]
+        calls = [c.load_later() for c in self.clients]
         out: list[RankLoad | None] = []
-        for ref in refs:
+        for call in calls:
             try:
-                out.append(ray.get(ref, timeout=self.quick_timeout_s))
-            except (RayActorError, GetTimeoutError):
+                out.append(call.result())
+            except RankDiedError:
                 out.append(None)
         return out
 
@@ -305,10 +306,15 @@ class Cluster:
                 entry.update(device=info.device, backend=info.backend, in_group=info.in_group,
                              device_blocks=info.device_blocks, host_blocks=info.host_blocks)
             ranks.append(entry)
-        return {"num_ranks": len(self.actors), "device": self.device, "generation": self.generation,
+        return {"num_ranks": len(self.clients), "device": self.device, "generation": self.generation,
                 "agreed_blocks": None if self.block_counts is None else
                 {"device": self.block_counts[0], "host": self.block_counts[1]},
                 "ranks": ranks, "time": time.time()}
+
+
+def _results(calls: list[PendingCall]) -> list:
+    """The results of calls launched together, in order (each waited on within its own timeout)."""
+    return [call.result() for call in calls]
 
 
 class _GroupTransfer:
@@ -323,12 +329,14 @@ class _GroupTransfer:
         c = self.cluster
         source, target = c.client(src), c.client(dst)
         tag = random.randrange(1, 2 ** 31)   # apart from any other coordinator's migration between these ranks
-        refs = [source.actor.send_prefix.remote(tokens, dst, max_blocks, lora_id, cache_salt, tag),
-                target.actor.receive_prefix.remote(tokens, src, max_blocks, lora_id, cache_salt, tag)]
         timeout = c.config.group_timeout_s + 30
-        sides = [(source, refs[0], "send_prefix"), (target, refs[1], "receive_prefix")]
+        sides = [source.send_prefix(tokens, dst, max_blocks, lora_id, cache_salt, tag, timeout),
+                 target.receive_prefix(tokens, src, max_blocks, lora_id, cache_salt, tag, timeout)]
+        deadline = time.monotonic() + timeout
         try:
-            sent, received = ray.get(refs, timeout=timeout)
+            if not all(side.done(max(0.0, deadline - time.monotonic())) for side in sides):
+                raise TimeoutError(f"migration {src} -> {dst} did not end within {timeout:g} s")
+            sent, received = (side.result() for side in sides)
         except Exception:
             self._settle(sides, tag, timeout)
             raise self._failure(src, dst, sides) from None
@@ -336,30 +344,30 @@ class _GroupTransfer:
         return MigrationResult(src, dst, sent.matched_blocks, received.moved_blocks, sent.bytes, received.seconds)
 
     @staticmethod
-    def _settle(sides: list[tuple[RayRankClient, ray.ObjectRef, str]], tag: int, timeout_s: float) -> None:
+    def _settle(sides: list[PendingCall], tag: int, timeout_s: float) -> None:
         """After a failure, wait (at most ``timeout_s``) for a side still in the migration to end and undo its
         step: a receive still posted would take the next migration's messages. A side whose peer died fails once
         the channel breaks, at the latest at the group's timeout; a side that died (or is back, restarted, and
         so in no migration) is not waited for."""
         deadline = time.monotonic() + timeout_s
-        for client, ref, _ in sides:
-            if ray.wait([ref], timeout=0)[0]:
+        for side in sides:
+            if side.done():
                 continue
             try:
-                running = client.wait(client.actor.in_transfer.remote(tag), "in_transfer")
+                running = side.client.in_transfer(tag)
             except RankDiedError:
                 continue
             if running:
-                ray.wait([ref], timeout=max(0.0, deadline - time.monotonic()))
+                side.done(max(0.0, deadline - time.monotonic()))
 
     @staticmethod
-    def _failure(src: int, dst: int, sides: list[tuple[RayRankClient, ray.ObjectRef, str]]) -> Exception:
+    def _failure(src: int, dst: int, sides: list[PendingCall]) -> Exception:
         """What a failed migration raises: a dead side's loss says what happened (``RankDiedError``, the rank
         marked down); a failure of the other side (its channel broke) is logged."""
         failed = []
-        for client, ref, what in sides:
+        for side in sides:
             try:
-                client.wait(ref, what, timeout_s=1.0)
+                side.result(timeout_s=1.0)
             except Exception as e:  # each side's failure is looked at below
                 failed.append(e)
         assert failed, f"migration {src} -> {dst} failed, but neither side did"

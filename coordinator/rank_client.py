@@ -1,5 +1,13 @@
 """``RankClient`` over one rank actor: each method one actor call, waited on with a timeout.
 
+Besides the router's ``RankClient`` methods it has the coordinator's: the
+process group, crash arming, the router's event pushes and the two sides of a
+migration. The calls every rank must be in at once (the group's rendezvous and
+all-reduce, the two sides of a migration) and those asked of every rank
+together (load, for a health round) return a ``PendingCall``: launched now,
+waited on when the caller has launched the others. Nothing outside this module
+calls the actor.
+
 A dead actor (``RayActorError``), one that does not answer in time, and one
 that restarted and has no ledger yet (``RankNotReadyError``) all become
 ``RankDiedError``, and the cluster is told (``on_lost``) so it stops listing
@@ -9,7 +17,8 @@ cause, not Ray's wrapper), so callers answer it as such.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -20,7 +29,29 @@ from kvledger.worker.wire.errors import RankNotReadyError
 from kvledger.worker.wire.messages import ExportTicket, ImportTicket, RankInfo, RankLoad, ServeReply
 from kvledger.worker.wire.request import Request
 
+if TYPE_CHECKING:
+    from kvledger.worker.rank.faults import CrashPoint, TransportFaults
+    from kvledger.worker.rank.transfer import PrefixMoved
+
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PendingCall(Generic[T]):
+    """One call in flight on a rank actor, waited on as its client waits (same timeouts, same errors)."""
+
+    client: RayRankClient
+    ref: ray.ObjectRef
+    what: str
+    timeout_s: float
+
+    def result(self, timeout_s: float | None = None) -> T:
+        """The call's result, within ``timeout_s`` (default: the call's own); errors as ``RayRankClient.wait``."""
+        return self.client.wait(self.ref, self.what, self.timeout_s if timeout_s is None else timeout_s)
+
+    def done(self, timeout_s: float = 0.0) -> bool:
+        """Whether the call has ended (answered or failed), waiting at most ``timeout_s`` for it."""
+        return bool(ray.wait([self.ref], timeout=timeout_s)[0])
 
 
 class RayRankClient:
@@ -97,3 +128,55 @@ class RayRankClient:
 
     def check_integrity(self) -> None:
         self.wait(self.actor.check_integrity.remote(), "check_integrity", self.long_timeout_s)
+
+    # ------------------------------------------------------------------ the coordinator's
+
+    def _launch(self, ref: ray.ObjectRef, what: str, timeout_s: float | None = None) -> PendingCall:
+        return PendingCall(self, ref, what, self.quick_timeout_s if timeout_s is None else timeout_s)
+
+    def load_later(self) -> PendingCall[RankLoad]:
+        """``load``, launched now (a health round asks every rank at once)."""
+        return self._launch(self.actor.load.remote(), "load")
+
+    def node_ip(self) -> str:
+        return self.wait(self.actor.node_ip.remote(), "node_ip", self.long_timeout_s)
+
+    def open_store(self, host: str, timeout_s: float) -> int:
+        """Rank 0: open the group's rendezvous store on ``host``; its port."""
+        return self.wait(self.actor.open_store.remote(host, timeout_s), "open_store", self.long_timeout_s)
+
+    def leave_group(self) -> PendingCall[None]:
+        return self._launch(self.actor.leave_group.remote(), "leave_group", self.long_timeout_s)
+
+    def join_group(self, host: str, port: int, timeout_s: float, generation: int) -> PendingCall[str]:
+        """Join the group at ``host:port`` (a rendezvous: every rank is launched before any is waited on)."""
+        return self._launch(self.actor.join_group.remote(host, port, timeout_s, generation), "join_group",
+                            timeout_s + 30)
+
+    def agree_block_counts(self, timeout_s: float) -> PendingCall[tuple[int, ...]]:
+        """The MIN all-reduce of the block counts over the group (every rank at once), then the ledger."""
+        return self._launch(self.actor.agree_block_counts.remote(), "agree_block_counts", timeout_s + 30)
+
+    def arm_crash(self, point: CrashPoint, after: int = 1) -> dict[str, int]:
+        return self.wait(self.actor.arm_crash.remote(point, after), "arm_crash")
+
+    def attach_router(self, router: ray.actor.ActorHandle, owner: str, interval_s: float,
+                      faults: TransportFaults | None) -> bool:
+        """Have the rank push its event batches to ``router``, known to it as ``owner`` (see ``EventPusher``)."""
+        return self.wait(self.actor.attach_router.remote(router, owner, interval_s, faults), "attach_router")
+
+    def send_prefix(self, tokens: Sequence[int], dst: int, max_blocks: int | None, lora_id: int | None,
+                    cache_salt: str | None, tag: int, timeout_s: float) -> PendingCall[PrefixMoved]:
+        """The source side of migration ``tag`` to rank ``dst``, which runs ``receive_prefix`` at the same time."""
+        return self._launch(self.actor.send_prefix.remote(list(tokens), dst, max_blocks, lora_id, cache_salt, tag),
+                            "send_prefix", timeout_s)
+
+    def receive_prefix(self, tokens: Sequence[int], src: int, max_blocks: int | None, lora_id: int | None,
+                       cache_salt: str | None, tag: int, timeout_s: float) -> PendingCall[PrefixMoved]:
+        """The target side of migration ``tag`` from rank ``src``."""
+        return self._launch(self.actor.receive_prefix.remote(list(tokens), src, max_blocks, lora_id, cache_salt,
+                                                             tag), "receive_prefix", timeout_s)
+
+    def in_transfer(self, tag: int) -> bool:
+        """Whether the rank is still in migration ``tag``."""
+        return self.wait(self.actor.in_transfer.remote(tag), "in_transfer")

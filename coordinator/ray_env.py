@@ -11,8 +11,12 @@ every process reads it where Ray looks for it (``RAY_AUTH_TOKEN``, the file
 ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token``); ``ensure_auth_token``
 creates that file once on the machine that starts a cluster.
 
-This module imports nothing of Ray at the top: the package's ``__init__``
-calls ``ray_env_vars`` before anything imports ray.
+``configure`` sets that environment, and nothing else does: Ray reads
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when it is first imported, so each
+entry point that starts or joins a cluster (the command line, the detached
+owner, the benchmarks, the test session) calls it before anything imports ray,
+and ``init_ray`` calls it again (a no-op then). This module imports nothing of
+Ray at the top.
 """
 from __future__ import annotations
 
@@ -21,19 +25,28 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 LOOPBACK = "127.0.0.1"
-ENV_DEFAULTS = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+#: Read by Ray when it is first imported; off, a local Ray takes the loopback address for its node.
+READ_AT_IMPORT = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+ENV_DEFAULTS = {"RAY_AUTH_MODE": "token", READ_AT_IMPORT: "0"}
 #: Where Ray reads the token when neither ``RAY_AUTH_TOKEN`` nor ``RAY_AUTH_TOKEN_PATH`` is set.
 DEFAULT_TOKEN_PATH = Path("~/.ray/auth_token")
 
 
-def ray_env_vars() -> dict[str, str]:
-    """Set (where unset) and return the environment every process of the cluster shares."""
+def configure() -> dict[str, str]:
+    """Set (where unset) and return the environment every process of the cluster shares; call it before
+    ``import ray`` (see the module docstring). Warns when ray was imported first, without it."""
+    if READ_AT_IMPORT not in os.environ and "ray" in sys.modules:
+        logger.warning("ray was imported before kvledger's ray_env.configure() set %s=0: a local cluster started "
+                       "here may listen on the machine's address, not only on %s", READ_AT_IMPORT, LOOPBACK)
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     return {k: os.environ[k] for k in ENV_DEFAULTS}
@@ -96,7 +109,7 @@ def package_for_nodes() -> Iterator[Path]:
 
 def runtime_env(shipped: Path | None) -> dict:
     """The job's runtime environment: the shared env vars, and the package folder when it is shipped."""
-    env: dict = {"env_vars": ray_env_vars()}
+    env: dict = {"env_vars": configure()}
     if shipped is not None:
         env["py_modules"] = [str(shipped)]
     return env
@@ -119,11 +132,6 @@ def init_ray(address: str | None = None, num_cpus: float | None = None, namespac
 
 def _init(address: str | None, num_cpus: float | None, namespace: str, env: dict, log_to_driver: bool) -> None:
     import ray
-    from ray._private import ray_constants
-    if address is None and ray_constants.ENABLE_RAY_CLUSTER:
-        logging.getLogger(__name__).warning(
-            "ray was imported before kvledger's coordinator package set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: "
-            "the local cluster will listen on the machine's address, not only on 127.0.0.1")
     if address is None:
         ensure_auth_token()
         ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK,

@@ -38,7 +38,6 @@ import threading
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvledger.coordinator.cluster import Cluster
@@ -46,6 +45,7 @@ from kvledger.coordinator.config import ClusterConfig
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import parse_vllm_endpoint
 from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
+from kvledger.router.rank_client import RankDiedError
 from kvledger.router.service import RouterService
 from kvledger.router.tenants import ApiKeys, is_loopback
 from kvledger.worker.rank.faults import TransportFaults
@@ -119,6 +119,9 @@ class RouterHost:
         self.cluster = Cluster(cluster_config, actors, device)
         self.service = RouterService(self.cluster if actors else None, config.router)
         self._self_handle = _own_handle()
+        # what the ranks know this replica's pushes by: its actor id, which a restart keeps (None outside an
+        # actor, where there is no handle to push to either)
+        self._push_id = ray.get_runtime_context().get_actor_id()
         self._stop = threading.Event()
         self._round = threading.Lock()
         keys = None if config.api_keys is None else ApiKeys.load(config.api_keys)
@@ -145,6 +148,10 @@ class RouterHost:
     def ping(self) -> bool:
         return True
 
+    def push_id(self) -> str | None:
+        """What the ranks know this replica's pushes by (``None`` outside an actor, where nothing is pushed)."""
+        return self._push_id
+
     def pid(self) -> int:
         """The router's process (what a chaos test kills)."""
         return os.getpid()
@@ -155,16 +162,14 @@ class RouterHost:
         self.service.close()
 
     def _attach_all(self) -> None:
-        if self._self_handle is None:
+        if self._self_handle is None or self._push_id is None:
             return
-        refs = {r: self.cluster.actors[r].attach_router.remote(self._self_handle, self.config.push_interval_s,
-                                                               self.config.transport_faults)
-                for r in self.cluster.live()}
-        for r, ref in refs.items():
-            try:
-                ray.get(ref, timeout=self.cluster.quick_timeout_s)
-            except (RayActorError, GetTimeoutError):
-                self.cluster.mark_down(r)
+        for r in self.cluster.live():
+            try:   # a rank lost here is marked down by its client
+                self.cluster.client(r).attach_router(self._self_handle, self._push_id, self.config.push_interval_s,
+                                                     self.config.transport_faults)
+            except RankDiedError:
+                continue
 
     def maintenance_round(self) -> list[int]:
         """One round now, as the maintenance thread runs every ``health_interval_s``: health, publishers, loads.

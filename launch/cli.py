@@ -62,7 +62,6 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
     """
     import torch
 
-    import kvledger.coordinator  # noqa: F401  (before anything imports ray: one auth mode, loopback-only local Ray)
     from kvledger.coordinator.config import ClusterConfig, default_cache
     from kvledger.coordinator.router_actor import RouterActorConfig
     from kvledger.launch.flags import SIZE, SIZES, Converter, add_dataclass_flags
@@ -234,6 +233,8 @@ def _parser(command: str | None) -> tuple[argparse.ArgumentParser, Run | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvledger.coordinator.ray_env import configure
+    configure()   # before anything imports ray: every command may start or join a cluster
     argv = sys.argv[1:] if argv is None else list(argv)
     # ``kvledger`` itself takes no option but --help, so the first other word is the sub-command
     command = next((a for a in argv if not a.startswith("-")), None)

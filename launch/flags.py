@@ -24,7 +24,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, NoReturn, TypeVar, Union
+from typing import Any, Generic, Literal, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -62,6 +62,26 @@ class Converter:
             return named[text]
 
         return cls(parse, names.__getitem__, "{" + ",".join(named) + "}")
+
+    @classmethod
+    def number(cls, kind: Callable[[str], float], ok: Callable[[float], bool], what: str, metavar: str) -> Converter:
+        """A number ``kind`` reads that ``ok`` accepts, refused when parsed (before anything runs) naming ``what``."""
+        def parse(text: str) -> float:
+            try:
+                value = kind(text)
+            except ValueError:
+                raise ValueError(f"expected {what}, got {text!r}") from None
+            if not ok(value):
+                raise ValueError(f"expected {what}, got {text!r}")
+            return value
+
+        return cls(parse, metavar=metavar)
+
+
+POSITIVE_INT = Converter.number(int, lambda v: v >= 1, "a positive integer", "N")
+NONNEG_INT = Converter.number(int, lambda v: v >= 0, "an integer >= 0", "N")
+POSITIVE_FLOAT = Converter.number(float, lambda v: 0 < v < float("inf"), "a positive number", "X")
+NONNEG_FLOAT = Converter.number(float, lambda v: 0 <= v < float("inf"), "a number >= 0", "X")
 
 
 # ---------------------------------------------------------------------- byte sizes
@@ -189,12 +209,12 @@ class DataclassFlags(Generic[T]):
                 out[name] = tuple(value) if name in self.repeatable else value
         return out
 
-    def build(self, args: argparse.Namespace, parser: argparse.ArgumentParser, **overrides: Any) -> T:
+    def apply(self, args: argparse.Namespace, **overrides: Any) -> T:
         """``default`` with the given flags and ``overrides`` (fields no given flag sets) applied.
 
         The dataclass validates (``dataclasses.replace`` runs ``__post_init__``); a ``ValueError`` or
-        ``TypeError`` it raises ends the program through ``parser.error`` (exit 2), naming the flags of the
-        fields its message names.
+        ``TypeError`` it raises comes out as a ``ValueError`` prefixed, as argparse's own errors are, with the
+        given flags its message names.
         """
         given = self.given(args)
         assert not given.keys() & overrides.keys(), f"overrides {sorted(given.keys() & overrides.keys())} " \
@@ -202,12 +222,15 @@ class DataclassFlags(Generic[T]):
         try:
             return dataclasses.replace(self.default, **given, **overrides)  # type: ignore[type-var]
         except (ValueError, TypeError) as e:
-            self._error(parser, str(e), given)
+            named = [self.flags[f] for f in given if re.search(rf"\b{re.escape(f)}\b", str(e))]
+            raise ValueError(f"argument {'/'.join(named)}: {e}" if named else str(e)) from None
 
-    def _error(self, parser: argparse.ArgumentParser, message: str, given: Mapping[str, Any]) -> NoReturn:
-        """``parser.error(message)``, prefixed like argparse's own errors with the given flags it names."""
-        named = [self.flags[f] for f in given if re.search(rf"\b{re.escape(f)}\b", message)]
-        parser.error(f"argument {'/'.join(named)}: {message}" if named else message)
+    def build(self, args: argparse.Namespace, parser: argparse.ArgumentParser, **overrides: Any) -> T:
+        """``apply``, its error ending the program through ``parser.error`` (exit 2)."""
+        try:
+            return self.apply(args, **overrides)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, default: T, *, title: str, description: str | None = None,

@@ -11,10 +11,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kvledger.coordinator.ray_env import configure
 from kvledger.launch.up import load_options, up
 
 
 def main(argv: list[str]) -> int:
+    configure()   # before up imports ray
     if len(argv) != 1:
         print("usage: python -m kvledger.launch.owner OPTIONS_FILE (written by `kvledger up --detach`)",
               file=sys.stderr)

@@ -103,8 +103,8 @@ def is_alive(pid: int, started: int | None = None) -> bool:
     return state != "Z" and (started is None or st == started)
 
 
-def descendants(pid: int) -> list[tuple[int, int]]:
-    """(pid, start time) of every live descendant of ``pid``."""
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> the pids of its live children."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -114,11 +114,18 @@ def descendants(pid: int) -> list[tuple[int, int]]:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
-    out, stack = [], list(children.get(pid, []))
+    return children
+
+
+def descendants(pid: int, depth: int | None = None) -> list[tuple[int, int]]:
+    """(pid, start time) of every live descendant of ``pid``, or of those at most ``depth`` generations down."""
+    children = _children()
+    out, stack = [], [(p, 1) for p in children.get(pid, [])]
     while stack:
-        p = stack.pop()
+        p, generation = stack.pop()
         st = start_time(p)
         if st is not None:
             out.append((p, st))
-        stack.extend(children.get(p, []))
+        if depth is None or generation < depth:
+            stack.extend((c, generation + 1) for c in children.get(p, []))
     return out

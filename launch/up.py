@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import kvledger.coordinator  # noqa: F401  (before ray: one auth mode, loopback-only local Ray)
 from kvledger.coordinator.config import ClusterConfig
 from kvledger.launch.state import ClusterState, descendants, is_alive, options_path, start_time, state_dir, state_path
 
@@ -61,29 +60,15 @@ class UpOptions:
                 raise ValueError(f"the {self.workload} workload runs on kvledger's own ranks; --ranks 0 has none")
 
 
-def _ray_pids() -> list[tuple[int, int]]:
-    """The Ray processes this driver's local node started (empty when it joined a cluster)."""
-    import ray
-
-    node = ray._private.worker._global_node
-    out = []
-    for infos in getattr(node, "all_processes", {}).values():
-        for info in infos:
-            pid = info.process.pid
-            st = start_time(pid)
-            if st is not None:
-                out.append((pid, st))
-    return out
-
-
 def _where(state: ClusterState) -> str:
     blocks = ("no ranks of its own" if state.block_counts is None else
               f"{state.block_counts[0]} device + {state.block_counts[1]} host blocks per rank")
     actors = f"actors {state.name_prefix}-0..{state.num_ranks - 1}" if state.num_ranks else "no rank actors"
     return (f"kvledger cluster up: {state.num_ranks} rank(s) on {state.device}, {blocks}\n"
             f"  Ray address   {state.address}  (namespace {state.namespace!r}, {actors})\n"
-            f"  Python        import ray; from kvledger.coordinator.cluster import Cluster\n"
-            f"                ray.init(address={state.address!r}, namespace={state.namespace!r}); "
+            f"  Python        from kvledger.coordinator.ray_env import init_ray; "
+            f"from kvledger.coordinator.cluster import Cluster\n"
+            f"                init_ray(address={state.address!r}, namespace={state.namespace!r}, ship_code=False); "
             f"cluster = Cluster.connect()\n"
             + "".join(f"  router {i:<6} {url}" + ("  (kvledger route PROMPT | kvledger monitor; "
                                                      "--router-index I for another replica)" if i == 0 else "") + "\n"
@@ -158,9 +143,9 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
             return 0
         if options.router is not None:
             routers = _start_routers(cluster, options.router, config.detached, out)
-        node = ray._private.worker._global_node
-        pids = _ray_pids() if address is None else []
-        state = ClusterState(address=node.gcs_address if node is not None else address,
+        # Ray's services are this driver's children when it started Ray (the workers are theirs, found at `down`)
+        pids = descendants(os.getpid(), depth=1) if address is None else []
+        state = ClusterState(address=ray.get_runtime_context().gcs_address,
                              namespace=config.namespace, name_prefix=config.name_prefix,
                              num_ranks=config.num_ranks, device=cluster.device,
                              block_counts=None if cluster.block_counts is None else list(cluster.block_counts),

@@ -32,10 +32,15 @@ START_TIMEOUT_S = 120.0
 @dataclass(frozen=True, slots=True)
 class TinyOptions:
     max_input_tokens: int = MAX_INPUT_TOKENS
+    """Prompts cut to their first this many tokens (the reference model is slow on CPUs)."""
     max_output_tokens: int = MAX_OUTPUT_TOKENS
+    """Outputs capped at this many tokens."""
     concurrency: int = CONCURRENCY
+    """Threads sending requests: the most in flight at once."""
     request_timeout_s: float = REQUEST_TIMEOUT_S
+    """Seconds one completion may take before it counts as failed."""
     num_cpus_per_rank: float = 0.5
+    """Ray CPUs each rank actor of the tiny cluster takes."""
 
     def __post_init__(self) -> None:
         for name in ("max_input_tokens", "concurrency"):
@@ -66,6 +71,7 @@ class BenchConfig:
     trace: str = SYNTHETIC
     """A Mooncake JSONL file, or ``synthetic`` for the seeded generator."""
     ranks: int = 4
+    """Ranks, one ledger each."""
     policy: str = "all"
     """A policy name, names separated by commas, or ``all`` (every registered policy on the same trace)."""
     capacity_blocks: int | None = None
@@ -74,28 +80,48 @@ class BenchConfig:
     host_blocks: int = 0
     """Host-tier blocks of the whole cluster."""
     tokens_per_block: int | None = None
-    """None = the trace's own block size (512 for Mooncake, 64 for synthetic)."""
+    """Ledger block size; None = the trace's own (512 for Mooncake, 64 for synthetic; 16 with ``engine="tiny"``)."""
     engine: str = "sim"
+    """``sim``: simulated time, metadata-only ledgers; ``tiny``: a real local cluster per policy (rank actors,
+    reference engine, router over HTTP on 127.0.0.1), times measured (TTFT = completion latency; prompts and
+    outputs capped by ``tiny``'s options); ``vllm``: the vLLM servers of ``vllm``, caches reset before each policy, times
+    measured."""
     speed: float = 1.0
+    """Replay this many times faster than the trace's timestamps."""
     limit: int | None = None
+    """The first this many requests only; None = all (a synthetic trace: 1000 generated; ``engine="tiny"``: 200)."""
     seed: int = 0
+    """Seed of the synthetic trace and of the policies' tie-breaking."""
     partial_reuse: bool = False
+    """Let ledgers reuse partly matching blocks (off: block granularity, like the bounds)."""
     migration: bool = True
+    """Let the ``kv`` policy migrate a prefix between ranks."""
     jobs: int = 0
     """Processes replaying policies side by side; 0 = min(policies, CPU cores)."""
     costs: SimCosts = field(default_factory=SimCosts)
     tiny: TinyOptions = field(default_factory=TinyOptions)
     """Prompt and output caps and client concurrency of ``engine="tiny"`` and ``"vllm"`` (``replay/tiny.py``)."""
     vllm: tuple[str, ...] = ()
-    """``engine="vllm"``: the vLLM servers replayed through, one rank each (``replay/vllm.py``)."""
+    """``engine="vllm"``: the vLLM servers replayed through, ``http://HOST:PORT``, one rank each, started with
+    ``VLLM_SERVER_DEV_MODE=1`` so the bench can reset their prefix caches (``replay/vllm.py``)."""
     routers: int = 1
-    """Router replicas the simulated requests are spread over (``replay/replicas.py`` compares 1, 2, 4 ... N)."""
+    """Router replicas the simulated requests are spread over, each with its own index fed the same events and
+    its own load account (``replay/replicas.py`` compares 1, 2, 4 ... N against the 1-router run; ``engine="sim"``
+    only)."""
     event_lag_s: float = 0.0
-    """Simulated delay of each event batch on its way to the routers' indexes."""
+    """Simulated delay of each event batch on its way to the routers' indexes (with ``routers`` above 1: the
+    ranks' push interval)."""
     load_report_s: float = 0.0
-    """How often the simulated routers read the ranks' load reports (0: never)."""
+    """How often the simulated routers read the ranks' load reports (with ``routers`` above 1: the live router's
+    health round; 0: never)."""
 
     def __post_init__(self) -> None:
+        for name in ("ranks", "routers"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not 0 < self.speed < float("inf"):
+            raise ValueError(f"speed must be a positive number, got {self.speed!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
         if (self.engine == "vllm") != bool(self.vllm):
@@ -110,8 +136,6 @@ class BenchConfig:
             raise ValueError(f"--jobs must be an int >= 0, got {self.jobs!r}")
         if self.tokens_per_block is not None and (type(self.tokens_per_block) is not int or self.tokens_per_block < 1):
             raise ValueError(f"--tokens-per-block must be a positive int, got {self.tokens_per_block!r}")
-        if type(self.routers) is not int or self.routers < 1:
-            raise ValueError(f"--routers must be a positive int, got {self.routers!r}")
         if self.routers > 1 and self.engine != "sim":
             raise ValueError(f"--routers {self.routers} is measured in the simulator (--engine sim); "
                              f"--engine {self.engine} replays through one router")

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import kvledger.coordinator  # noqa: F401  (before ray: loopback-only local Ray, one auth mode)
 from kvledger.replay.bounds import compute_bounds
 from kvledger.replay.config import (DEFAULT_LIMIT, START_TIMEOUT_S, TINY_BLOCK_SIZE, TINY_SYNTHETIC, BenchConfig,
                                     TinyOptions)

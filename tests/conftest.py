@@ -39,7 +39,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier))
 
 
-import kvledger.coordinator  # noqa: E402,F401  (sets the Ray environment before anything imports ray)
+from kvledger.coordinator.ray_env import configure  # noqa: E402
+
+configure()   # the Ray environment, before any test module imports ray
 
 
 @pytest.fixture(scope="session")

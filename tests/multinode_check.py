@@ -12,17 +12,17 @@ import torch
 
 
 def main() -> int:
+    from kvledger.coordinator.ray_env import configure, ensure_auth_token, init_ray
+    configure()   # before ray is imported
+
     import ray
     from ray.cluster_utils import Cluster as RayCluster
 
-    import kvledger.coordinator  # noqa: F401  (before ray: loopback-only Ray)
     from kvledger.coordinator.cluster import Cluster
     from kvledger.coordinator.config import ClusterConfig
-    from kvledger.coordinator.ray_env import ensure_auth_token, ray_env_vars
     from kvledger.worker.ledger import CacheConfig
     from kvledger.worker.wire.request import Request
 
-    ray_env_vars()
     ensure_auth_token()   # token auth on: every simulated node reads this machine's token, as a real one would
     node_args = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
                  "object_store_memory": 80 * 1024 * 1024}
@@ -31,7 +31,6 @@ def main() -> int:
         for _ in range(2):
             sim.add_node(**node_args)
         sim.wait_for_nodes(timeout=60)
-        from kvledger.coordinator.ray_env import init_ray
         init_ray(address=sim.address, ship_code=True, log_to_driver=False)  # code travels by py_modules
         cache = CacheConfig(tokens_per_block=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                             device="cpu", num_primary_blocks=32)

@@ -196,9 +196,20 @@ def test_replicas_listen_on_ports_of_their_own_under_names_of_their_own(replicas
     _, handles, clients = replicas
     assert len({str(c.base_url) for c in clients}) == REPLICAS
     assert all(c.base_url.host == "127.0.0.1" for c in clients)
-    assert [ray_session.get_actor(router_name(i, f"{PREFIX}-router"), namespace="kvledger")._actor_id
-            for i in range(REPLICAS)] == [h._actor_id for h in handles]
+    assert [ray_session.get_actor(router_name(i, f"{PREFIX}-router"), namespace="kvledger")
+            for i in range(REPLICAS)] == handles
     assert all(c.get("/health").json()["live_ranks"] == [0, 1] for c in clients)
+
+
+def test_a_rank_knows_each_replica_by_the_id_the_replica_hands_it(replicas, ray_session):
+    """The pushes are keyed by the id each replica passes when it attaches (its actor id, from Ray's public
+    runtime context), so the same replica attaching again is a no-op and each replica is pushed to apart."""
+    cluster, handles, _ = replicas
+    ids = ray_session.get([h.push_id.remote() for h in handles], timeout=TIMEOUT)
+    assert len(set(ids)) == REPLICAS and all(ids)
+    for handle, owner in zip(handles, ids):
+        for rank in (0, 1):
+            assert not cluster.client(rank).attach_router(handle, owner, 0.005, None), "attached already, by its id"
 
 
 def test_replicas_fed_the_same_events_make_the_same_decision(replicas):

@@ -298,6 +298,51 @@ def test_cli_parser_rejects_malformed_numbers():
         parse("--speed", "fast")
 
 
+#: Every flag ``kvledger bench`` took when its flags were written by hand, before they were built from the configs.
+HAND_WRITTEN_FLAGS = ("--trace", "--ranks", "--policy", "--capacity-blocks", "--host-blocks", "--tokens-per-block",
+                      "--engine", "--vllm", "--speed", "--limit", "--seed", "--json", "--plot", "--jobs",
+                      "--partial-reuse", "--no-migration", "--quiet", "--max-input-tokens", "--max-output-tokens",
+                      "--concurrency", "--routers", "--event-lag-s", "--load-report-s")
+
+
+def test_bench_help_lists_every_config_field_with_its_docstring(capsys):
+    from kvledger.launch.bench_cli import Outputs, RankBlocks
+    from kvledger.launch.cli import main
+    from kvledger.launch.flags import attribute_docs
+    from kvledger.replay.config import TinyOptions
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    out = "".join(capsys.readouterr().out.split())   # argparse wraps the help (at hyphens too): compare unspaced
+    nested = {"costs", "tiny", "capacity_blocks", "host_blocks"}   # their own groups; per rank in RankBlocks
+    for cls in (BenchConfig, SimCosts, TinyOptions, RankBlocks, Outputs):
+        docs = attribute_docs(cls)
+        for f in dataclasses.fields(cls):
+            if cls is BenchConfig and f.name in nested:
+                continue
+            assert f"--{f.name.replace('_', '-')}" in out, f"{cls.__name__}.{f.name} has no flag"
+            doc = "".join(docs[f.name].replace("``", "`").split())
+            assert doc in out, f"{cls.__name__}.{f.name}'s help is not its docstring"
+    for flag in HAND_WRITTEN_FLAGS:
+        assert flag in out
+
+
+def test_bench_flags_keep_their_defaults_and_meanings():
+    def config(*argv: str) -> BenchConfig:
+        args = parse(*argv)
+        return args.bench_flags.configs(args)[0]
+
+    assert config() == BenchConfig()   # one router: no replica delays
+    assert config("--routers", "4") == BenchConfig(routers=4, event_lag_s=0.005, load_report_s=1.0)
+    got = config("--ranks", "2", "--capacity-blocks", "10", "--host-blocks", "3", "--no-migration", "--partial-reuse",
+                 "--kv-bytes-per-token", "1024", "--concurrency", "2", "--engine", "vllm", "--vllm", "http://a:1",
+                 "--vllm", "http://b:2")
+    assert (got.capacity_blocks, got.host_blocks) == (20, 6), "the flags count per rank, the config the cluster"
+    assert not got.migration and got.partial_reuse and got.costs.kv_bytes_per_token == 1024
+    assert got.tiny.concurrency == 2 and got.vllm == ("http://a:1", "http://b:2")
+
+
 def test_mooncake_replays_at_its_block_size():
     result = run(BenchConfig(trace=str(MOONCAKE), ranks=2, policy="kv", limit=150, capacity_blocks=2000, jobs=1))
     assert result.sim.tokens_per_block == 512

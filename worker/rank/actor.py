@@ -46,11 +46,12 @@ def rank_actor_class(worker_cls: type[RankWorker] = RankWorker) -> type:
             """Where this process imported kvledger from (the shipped package on a node without an install)."""
             return os.path.dirname(kvledger.worker.__file__)
 
-        def attach_router(self, router: ray.actor.ActorHandle, interval_s: float = 0.005,
+        def attach_router(self, router: ray.actor.ActorHandle, owner: str, interval_s: float = 0.005,
                           faults: TransportFaults | None = None) -> bool:
             """Push this rank's event batches to ``router.ingest(rank, seq, data)`` too, fire-and-forget, through
             ``faults`` when they are on (``worker.rank.faults``); the routers attached before keep theirs.
-            ``False`` when this router is attached already (a restarted one: its handle reaches the new process).
+            ``owner`` is the router's own id for its pushes, the same after it restarts (its actor id): ``False``
+            when that router is attached already (a restarted one: its handle reaches the new process).
 
             At most ``MAX_PUSHES_IN_FLIGHT`` pushes stay unanswered: past that the
             publisher thread waits for the router (back-pressure, so a slow router's
@@ -69,6 +70,6 @@ def rank_actor_class(worker_cls: type[RankWorker] = RankWorker) -> type:
                         raise ReceiverGone(str(e)) from e
 
             push = FaultySink(sink, faults, self.rank) if faults is not None and faults.active else sink
-            return self.start_publishing(push, interval_s, owner=router._actor_id.hex())
+            return self.start_publishing(push, interval_s, owner=owner)
 
     return RankActor

@@ -1,13 +1,17 @@
-"""One rank: its ledger, the engine that serves through it, its process group, transfers and events.
+"""One rank: its ledger, the batch scheduler and engine that serve through it, its process group, migration
+endpoints and event batches.
 
 ``RankWorker`` is a plain class (unit-testable without Ray) that puts the
-rank's parts together and answers the rank interface
-(``kvledger.router.rank_client.RankClient``) by method name; the Ray actor
-(``actor.py``) is this class with a few node-level methods on top. Each part
-lives in a module of its own: the books and their lock (``books``), serving and
-load (``serving``), the process group (``process_group``), the migration
-endpoints (``transfer``), the numbered event batches (``publisher``) and the
-thread that pushes them (``pusher``).
+rank's parts together; each method hands the call to the part that owns it.
+Two clients call it, each method by its name in a typed client: the Ray actor
+(``actor.py``: this class plus a few node-level methods and the router's event
+pushes) through ``kvledger.coordinator.rank_client.RayRankClient``, and
+``InProcessRankClient`` (``kvledger.coordinator.local_cluster``) directly.
+Each part lives in a module of its own: the books, their lock and the armed
+crash points (``books``, ``faults``), the running batch and its load report
+(``serving``, ``scheduler``), the process group (``process_group``), the
+migration endpoints (``transfer``), the numbered event batches
+(``publisher``) and the thread that pushes them (``pusher``).
 """
 from __future__ import annotations
 
@@ -32,7 +36,12 @@ from kvledger.worker.wire.request import Request
 
 
 class RankWorker:
-    """One rank of ``world_size`` (see the module docstring)."""
+    """One rank of ``world_size`` (see the module docstring).
+
+    It starts without a ledger: the block counts are agreed over the group first (``agree_block_counts``, or
+    ``build_ledger`` where there is no group), and until then a call that needs the ledger raises
+    ``RankNotReadyError`` (a restarted actor is in that state too, until the group is formed again).
+    """
 
     def __init__(self, rank: int, world_size: int, cache: CacheConfig, seed: int = 0,
                  gpu_memory_fraction: float = 0.5, replay_size: int = 1024,

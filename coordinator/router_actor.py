@@ -20,13 +20,17 @@ own thread in the same process, and a maintenance thread every
 that restarted, snapshots ranks the index does not know, and refreshes loads.
 ``RouterHost`` is the plain class; ``router_actor_class()`` wraps it.
 
-Replicas (``routers`` > 1, ``start_routers``) are independent router actors,
-each on its own port, each attached to every rank: a rank pushes each batch to
-all of them, so they build the same index from the same streams, and a replica
-that restarts re-attaches only itself. They share no state of their own: each
-learns what the others dispatched from the ranks' load reports (queued and
-running requests, queued prefill tokens), which its load account combines with
-its own dispatches (``router.load``), so replicas weigh the same load.
+Replicas (``routers`` > 1, ``start_routers``) are router actors named
+``router_name(i, base)``, each on its own port, each attached to every rank: a
+rank pushes each batch to all of them, so they build the same index from the
+same streams, and a replica that restarts re-attaches only itself. Each tells
+the others every dispatch it makes and every one that finishes
+(``router.replica_sync``, over Ray actor calls: ``coordinator.replica_link``),
+so each weighs the others' requests in flight from the moment they are sent;
+a replica found dead or restarted has its dispatches dropped by the others.
+``peer_sync`` returns once the peers have applied all this replica sent before
+it (what tests wait on). The ranks' load reports add only what clients the
+routers never saw sent, read less what ended since they were asked.
 """
 from __future__ import annotations
 
@@ -42,10 +46,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
+from kvledger.coordinator.replica_link import RayPeers
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import parse_vllm_endpoint
 from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
 from kvledger.router.rank_client import RankDiedError
+from kvledger.router.replica_sync import PeerBatch, ReplicaSync
 from kvledger.router.service import RouterService
 from kvledger.router.tenants import ApiKeys, is_loopback
 from kvledger.worker.rank.faults import TransportFaults
@@ -110,14 +116,22 @@ class RouterActorConfig:
 class RouterHost:
     """The router's process: service, HTTP server, maintenance (see the module docstring)."""
 
-    def __init__(self, cluster_config: ClusterConfig, device: str, config: RouterActorConfig) -> None:
-        """The rank actors are found by name, not passed: an actor handle among a restartable actor's arguments
-        puts them in the object store, where a restart could find them gone."""
+    def __init__(self, cluster_config: ClusterConfig, device: str, config: RouterActorConfig,
+                 name: str = ROUTER_NAME, replica: int = 0) -> None:
+        """This is replica ``replica`` of ``config.routers`` named after ``name``. The rank actors and the other
+        replicas are found by name, not passed: an actor handle among a restartable actor's arguments puts them
+        in the object store, where a restart could find them gone."""
         self.config = config
         actors = [ray.get_actor(f"{cluster_config.name_prefix}-{i}", namespace=cluster_config.namespace)
                   for i in range(cluster_config.num_ranks)]
         self.cluster = Cluster(cluster_config, actors, device)
         self.service = RouterService(self.cluster if actors else None, config.router)
+        peers = [router_name(i, name) for i in range(config.routers) if i != replica]
+        self.sync = ReplicaSync(router_name(replica, name), peers,
+                                RayPeers(cluster_config.namespace, self.cluster.quick_timeout_s).send, self.service,
+                                config.health_interval_s, self.cluster.quick_timeout_s)
+        self.service.listen(self.sync)
+        self.sync.start()
         self._self_handle = _own_handle()
         # what the ranks know this replica's pushes by: its actor id, which a restart keeps (None outside an
         # actor, where there is no handle to push to either)
@@ -132,6 +146,7 @@ class RouterHost:
         # where a batch 0 arriving after the snapshot would read as a restart and cost a second one
         self.service.feed.sync()
         self._attach_all()
+        self.service.refresh_loads(force=True)   # block counts from the first request on
         self.ready.set()
         for spec in config.vllm_events:
             self.service.feed.attach_vllm(*parse_vllm_endpoint(spec))
@@ -144,6 +159,18 @@ class RouterHost:
     def ingest(self, rank: int, seq: int, data: bytes) -> str:
         """A rank's pushed batch; returns what the index did with it (``ApplyStatus`` value)."""
         return self.service.feed.ingest(rank, seq, data).status.value
+
+    def peer_events(self, batch: PeerBatch) -> int:
+        """Another replica's dispatches and finishes (``ReplicaSync.receive``): how many it has applied since its
+        last reset."""
+        return self.sync.receive(batch)
+
+    @ray.method(concurrency_group="sync")
+    def peer_sync(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Once every other replica has applied what this one sent before the call (``ReplicaSync.flush``): each
+        with how many of its events it has applied since its last reset. In a group of its own, so the wait holds
+        up neither the ranks' pushes nor the peers' batches to this replica."""
+        return self.sync.flush(timeout_s)
 
     def ping(self) -> bool:
         return True
@@ -159,6 +186,7 @@ class RouterHost:
     def stop(self) -> None:
         self._stop.set()
         self.server.stop()
+        self.sync.close()
         self.service.close()
 
     def _attach_all(self) -> None:
@@ -206,8 +234,8 @@ def free_port(host: str) -> int:
 
 
 def router_actor_class():
-    """``RouterHost`` as a Ray actor (sequential: one caller's pushes run in order)."""
-    return ray.remote(max_concurrency=1)(RouterHost)
+    """``RouterHost`` as a Ray actor (sequential: one caller's pushes run in order; ``peer_sync`` waits apart)."""
+    return ray.remote(max_concurrency=1, concurrency_groups={"sync": 1})(RouterHost)
 
 
 def start_router(cluster: Cluster, config: RouterActorConfig = RouterActorConfig(), name: str = ROUTER_NAME,
@@ -222,7 +250,8 @@ def start_routers(cluster: Cluster, config: RouterActorConfig = RouterActorConfi
     """Spawn ``config.routers`` replicas on this node, named ``router_name(i, name)``, replica i on
     ``config.port + i`` (each on a free port of its own when it is 0); ``(handle, url)`` of each, in order.
 
-    They start side by side; each snapshots the ranks and attaches itself to them.
+    They start side by side; each snapshots the ranks, attaches itself to them and calls the others to share
+    its dispatches.
     """
     tpb = cluster.config.cache.tokens_per_block
     if config.router.tokens_per_block != tpb:
@@ -242,7 +271,7 @@ def start_routers(cluster: Cluster, config: RouterActorConfig = RouterActorConfi
         while port == 0 or port in ports:
             port = free_port(config.host)
         ports.add(port)
-        replica = dataclasses.replace(config, port=port)
-        handles.append(cls.options(name=router_name(i, name), **opts).remote(cluster.config, cluster.device, replica))
+        handles.append(cls.options(name=router_name(i, name), **opts).remote(
+            cluster.config, cluster.device, dataclasses.replace(config, port=port), name, i))
     urls = ray.get([h.url.remote() for h in handles], timeout=timeout_s)
     return list(zip(handles, urls))

@@ -12,12 +12,23 @@ The live router serves through a blocking call that returns only at the end,
 so it sees neither the start nor the end of a prefill: its requests stay
 queued, with all their prompt tokens, until they finish. The simulator sees
 every step.
+
+Router replicas tell each other their dispatches (``router.replica_sync``): a
+peer's are held per peer and id, apart from this router's own, so the peer's
+finish removes exactly its entry and a peer that is gone takes all of its
+entries with it (``drop_peer``). Every dispatch that ends is counted per rank
+(``ended``), so a rank's load report can be read less the requests this
+account saw end after the report was asked (``ReportedQueue.less``): a report
+is then of age zero for every request some replica sent.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvledger.router.policies import RankState
+from kvledger.router.replica_sync import DispatchEvent
 
 
 @dataclass(slots=True, eq=False)
@@ -29,6 +40,8 @@ class Dispatch:
     """Prompt tokens the rank has to compute (the router's estimate at dispatch)."""
     blocks: int
     """Blocks it holds while it runs (prompt and output)."""
+    id: int = 0
+    """Unique among the dispatches of the router that made it (what its peers know it by)."""
     started_at: float | None = None
     duration: float = 0.0
     prefilled: bool = False
@@ -42,6 +55,24 @@ class ReportedQueue:
     running: int
     prefill_tokens: int = 0
     """Prompt tokens of the waiting requests (0: not reported)."""
+
+    def less(self, ended: Ended) -> ReportedQueue:
+        """This report without ``ended`` (requests it may still count that have ended since it was asked)."""
+        running = max(0, self.running - ended.requests)
+        waiting = max(0, self.waiting - (ended.requests - (self.running - running)))
+        return ReportedQueue(waiting, running, max(0, self.prefill_tokens - ended.prefill_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """Dispatches to a rank that have ended, and their prompt tokens: a running total, or the part of it since a
+    mark (``since``)."""
+
+    requests: int = 0
+    prefill_tokens: int = 0
+
+    def since(self, mark: Ended) -> Ended:
+        return Ended(self.requests - mark.requests, self.prefill_tokens - mark.prefill_tokens)
 
 
 @dataclass(slots=True)
@@ -60,12 +91,48 @@ class LoadAccount:
 
     def __init__(self) -> None:
         self._ranks: dict[int, _RankAccount] = {}
+        self._ids = itertools.count(1)
+        self._peers: dict[str, dict[int, Dispatch]] = {}
+        """Each peer's dispatches not yet finished, by the id the peer gave them."""
+        self._ended: dict[int, Ended] = {}
+        """Per rank, every dispatch that finished, own or a peer's (kept when the rank leaves: marks stay valid)."""
 
     def dispatch(self, rank: int, prefill_tokens: int, blocks: int) -> Dispatch:
-        d = Dispatch(rank, prefill_tokens, blocks)
-        a = self._ranks.setdefault(rank, _RankAccount())
+        return self._queue(Dispatch(rank, prefill_tokens, blocks, next(self._ids)))
+
+    def peer_events(self, peer: str, events: Iterable[DispatchEvent], reset: bool = False) -> None:
+        """Router ``peer``'s dispatches and finishes, in its order; ``reset``: ``events`` are all it has open, in
+        place of what this account held of it. A repeated dispatch, or the finish of one this account does not
+        hold (or forgot with its rank), changes nothing."""
+        if reset:
+            self.drop_peer(peer)
+        held = self._peers.setdefault(peer, {})
+        for e in events:
+            if e.kind == "dispatched":
+                if e.id not in held:
+                    held[e.id] = self._queue(Dispatch(e.rank, e.prefill_tokens, e.blocks, e.id))
+            else:
+                d = held.pop(e.id, None)
+                if d is not None:
+                    self.finished(d)
+
+    def drop_peer(self, peer: str) -> None:
+        """Router ``peer`` is gone (or starts over): none of its dispatches counts any more."""
+        for d in self._peers.pop(peer, {}).values():
+            self._remove(d)
+
+    def peers(self) -> dict[str, int]:
+        """Each peer's dispatches this account holds."""
+        return {peer: len(held) for peer, held in self._peers.items()}
+
+    def ended(self, rank: int) -> Ended:
+        """The dispatches to ``rank`` that have ended so far (a mark to take before asking it for its load)."""
+        return self._ended.get(rank, Ended())
+
+    def _queue(self, d: Dispatch) -> Dispatch:
+        a = self._ranks.setdefault(d.rank, _RankAccount())
         a.queued += 1
-        a.queued_tokens += prefill_tokens
+        a.queued_tokens += d.prefill_tokens
         return d
 
     def started(self, d: Dispatch, now: float, duration: float) -> None:
@@ -89,21 +156,32 @@ class LoadAccount:
 
     def finished(self, d: Dispatch) -> None:
         """It ended (or failed): whatever it still counted for goes."""
+        if self._remove(d):
+            e = self.ended(d.rank)
+            self._ended[d.rank] = Ended(e.requests + 1, e.prefill_tokens + d.prefill_tokens)
+
+    def _remove(self, d: Dispatch) -> bool:
+        """``d`` no longer counts on its rank; ``False`` when the rank left while it ran (it counted nowhere)."""
         a = self._ranks.get(d.rank)
-        if a is None:   # the rank left while the request ran
-            return
+        if a is None:
+            return False
         if d.prefilled:
             a.running -= 1
             a.running_blocks -= d.blocks
         else:
             _leave_queue(a, d)
+        return True
 
     def forget(self, rank: int) -> None:
-        """``rank`` left: nothing dispatched to it counts any more."""
+        """``rank`` left: nothing dispatched to it counts any more, the peers' dispatches neither."""
         self._ranks.pop(rank, None)
+        for held in self._peers.values():
+            for id in [id for id, d in held.items() if d.rank == rank]:
+                del held[id]
 
     def inflight(self, rank: int) -> tuple[int, int]:
-        """Requests dispatched to ``rank`` and not finished, and their queued prefill tokens (at start)."""
+        """Requests dispatched to ``rank`` (by this router or a peer) and not finished, and their queued prefill
+        tokens (at start)."""
         a = self._ranks.get(rank)
         if a is None:
             return 0, 0
@@ -114,8 +192,8 @@ class LoadAccount:
               reported: ReportedQueue | None = None, migratable: bool = True) -> RankState:
         """``rank`` as the policies see it at ``now``; the blocks in use come from the rank's own report.
 
-        An engine's own count of its queue (``reported``) wins where it is larger: other routers (replicas) or
-        clients may send it work this account never saw. The rank's count holds this router's requests too, so
+        An engine's own count of its queue (``reported``) wins where it is larger: clients may send it work no
+        router replica saw. The rank's count holds this router's requests too, so
         the two are never added: the requests in flight are the larger of the two totals (a request this
         account still calls queued may be running there), of which the larger running count runs.
         """

@@ -9,7 +9,9 @@ the routing step (``router.routing.RouteStep`` over the router's
 dispatch with one retry loop, streaming a mode of it: an engine lost before it
 answers is left out and the request decided again. It knows nothing of Ray or
 HTTP, so the same object runs in tests over in-process ranks and in the router
-actor over the cluster.
+actor over the cluster. Router replicas share their dispatches through two
+hooks (``router.replica_sync``): each dispatch and finish goes to the
+``listen``-er, and the peers' come in through ``peer_events``.
 
 Locks: ``_lock`` guards the loads and the policy, and is never held across a
 call to an engine; the feed has its own (``EventFeed.lock``), the tally too.
@@ -28,12 +30,13 @@ from kvledger.router.engine import Capability, Engine, Generated, Generation, ca
 from kvledger.router.engines import EngineCannotError, Engines
 from kvledger.router.feed import EventFeed
 from kvledger.router.index import PrefixIndex
-from kvledger.router.load import Dispatch, LoadAccount, ReportedQueue
+from kvledger.router.load import Dispatch, Ended, LoadAccount, ReportedQueue
 from kvledger.router.models import Models
 from kvledger.router.openai_types import MAX_N
 from kvledger.router.policies import NoLiveRankError, RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch
 from kvledger.router.rank_client import RankDiedError, RankSet
+from kvledger.router.replica_sync import DispatchEvent, DispatchKind, DispatchListener
 from kvledger.router.report import ClusterReport
 from kvledger.router.reporting import cluster_report
 from kvledger.router.routing import RouteStep
@@ -67,6 +70,9 @@ class RouterService:
         self._lock = threading.Lock()
         self._loads: dict[int, RankLoad] = {}
         self._loads_at = float("-inf")
+        self._asked: dict[int, Ended] = {}
+        """Per rank, what had ended there when its load report was asked (``ReportedQueue.less``)."""
+        self._listener: DispatchListener | None = None
         self._request_ids = itertools.count(1, MAX_N)   # a generation's n choices take consecutive ids
         try:
             for url in config.vllm:
@@ -127,6 +133,7 @@ class RouterService:
         with self._lock:
             self.account.forget(rank)
             self._loads.pop(rank, None)
+            self._asked.pop(rank, None)
             self.policy.on_rank_removed(rank)
 
     # ------------------------------------------------------------------ probing and routing
@@ -183,9 +190,9 @@ class RouterService:
         fixed = [r for r in live if not engines[r].info().can(Capability.MIGRATION)]
         with self._lock:
             blocks = {r: (load.device_blocks_used, load.device_blocks) for r, load in self._loads.items()}
-            # every engine's own count (own ranks too: other router replicas dispatch to them)
+            # every engine's own count (clients no replica saw), less what ended since it was asked
             reported = {r: ReportedQueue(load.queued_requests, load.running_requests, load.queued_prefill_tokens)
-                        for r, load in self._loads.items()}
+                        .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
             return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed)
 
     # ------------------------------------------------------------------ serving
@@ -335,12 +342,36 @@ class RouterService:
     def _dispatch(self, req: RouteRequest, rank: int, predicted: int) -> Dispatch:
         tpb = self.feed.index.block_size(rank)
         with self._lock:
-            return self.account.dispatch(rank, len(req.tokens) - predicted,
-                                         -(-(len(req.tokens) + req.max_tokens) // tpb))
+            d = self.account.dispatch(rank, len(req.tokens) - predicted, -(-(len(req.tokens) + req.max_tokens) // tpb))
+            self._tell("dispatched", d)
+            return d
 
     def _finished(self, dispatch: Dispatch) -> None:
         with self._lock:
             self.account.finished(dispatch)
+            self._tell("finished", dispatch)
+
+    def _tell(self, kind: DispatchKind, d: Dispatch) -> None:
+        if self._listener is not None:
+            self._listener(DispatchEvent(kind, d.id, d.rank, d.prefill_tokens, d.blocks))
+
+    # ------------------------------------------------------------------ router replicas
+
+    def listen(self, listener: DispatchListener) -> None:
+        """Tell ``listener`` of every dispatch from now on and of its finish (the replicas' ``ReplicaSync``)."""
+        with self._lock:
+            self._listener = listener
+
+    def peer_events(self, peer: str, events: Sequence[DispatchEvent], reset: bool) -> None:
+        """Router replica ``peer``'s dispatches and finishes, in its order; ``reset``: ``events`` are all it has
+        open, in place of what this router held of it."""
+        with self._lock:
+            self.account.peer_events(peer, events, reset)
+
+    def drop_peer(self, peer: str) -> None:
+        """Router replica ``peer`` is gone: its dispatches no longer count."""
+        with self._lock:
+            self.account.drop_peer(peer)
 
     def _lost(self, e: RankDiedError) -> None:
         """``e.rank`` is gone: out of the live engines until a health round sees it back, out of the index now."""
@@ -362,7 +393,10 @@ class RouterService:
             return
         self._loads_at = now
         loads: dict[int, tuple[Engine, RankLoad]] = {}
-        for r, engine in self.engines.live_engines().items():
+        engines = self.engines.live_engines()
+        with self._lock:
+            asked = {r: self.account.ended(r) for r in engines}
+        for r, engine in engines.items():
             try:
                 load = engine.load()
             except RankDiedError as e:
@@ -374,6 +408,7 @@ class RouterService:
             loads[r] = engine, load
         with self._lock:
             self._loads.update({r: load for r, (_, load) in loads.items()})
+            self._asked.update({r: asked[r] for r in loads})
         for r, (engine, load) in loads.items():
             if engine.info().can(Capability.EVENT_REPLAY):
                 self.feed.close_gap(r, load.published_batches)

@@ -170,8 +170,9 @@ def test_a_rank_that_dies_leaves_the_index_and_its_request_is_served_elsewhere(r
             return False
         return all(r["blocks"] is not None for r in client.get("/v1/cluster").json()["ranks"])
 
-    assert home in ray_session.get(handle.maintenance_round.remote(), timeout=TIMEOUT), "one forced health round"
-    assert rejoined(), "back in full after the round"
+    # one forced round (or the maintenance thread's, if it came first: rounds take turns) sees it back
+    ray_session.get(handle.maintenance_round.remote(), timeout=TIMEOUT)
+    assert rejoined(), "back in full after one health round"
     for prompt in (text, shared + "Q: after the restart"):
         client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         approx = client.post("/v1/probe", json={"prompt": prompt}).json()["ranks"]

@@ -1,9 +1,11 @@
 """Router replicas: several router actors over the same ranks, each with its own index fed by the same event
-streams, told the others' dispatches only through the ranks' load reports.
+streams, each told the others' dispatches by the others (``router.replica_sync``; in process:
+``tests/unit/test_router_replica_sync.py``).
 
-The plain parts first (a rank's publisher pushing every batch to every attached receiver; two load accounts
-reading one rank's report), then real router actors on a real local Ray cluster: replicas fed the same events
-decide alike for the same prompt, and a request sent to any replica is served and indexed by all.
+The plain parts first (a rank's publisher pushing every batch to every attached receiver; a load account and a
+rank's report of the same requests; a rank's report of work no router sent), then real router actors on a real
+local Ray cluster: replicas fed the same events decide alike for the same prompt, a request sent to any replica is
+served and indexed by all, and each replica is told of it before the next is routed (``peer_sync``, not a sleep).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from kvledger.router.config import RouterConfig
 from kvledger.router.index import ApplyStatus, PrefixIndex
 from kvledger.router.load import LoadAccount, ReportedQueue
 from kvledger.router.probe import probe
+from kvledger.router.replica_sync import DispatchEvent
 from kvledger.router.service import RouterService
 from kvledger.worker.engine.tokenizer import encode
 from kvledger.worker.ledger import CacheConfig
@@ -90,21 +93,18 @@ def test_a_rank_pushes_every_batch_to_every_attached_router_in_order():
         assert probe(index, list(range(200, 200 + 3 * T)))[0].matched_tokens == 2 * T
 
 
-def test_replicas_count_the_others_dispatches_once_through_the_ranks_report():
-    """Router A sent rank 0 two requests, router B one; the rank reports all three. Each router then sees three
-    in flight (not its own count plus the report: the report holds its own too), and neither ignores the other."""
+def test_a_replica_counts_the_requests_it_was_told_of_and_the_ranks_report_of_them_once():
+    """Router A sent rank 0 two requests and told B; B sent one. The rank reports all three; B, holding A's two
+    and its own, sees three in flight (not its count plus the report: the report holds them too)."""
     a, b = LoadAccount(), LoadAccount()
-    for _ in range(2):
-        a.dispatch(0, 100, 4)
+    sent = [a.dispatch(0, 100, 4) for _ in range(2)]
+    b.peer_events("a", [DispatchEvent("dispatched", d.id, d.rank, d.prefill_tokens, d.blocks) for d in sent])
     b.dispatch(0, 50, 2)
-    alone = b.state(0, 0.0)
-    assert (alone.queued_requests, alone.running_requests, alone.queued_prefill_tokens) == (1, 0, 50)
+    told = b.state(0, 0.0)
+    assert (told.queued_requests, told.running_requests, told.queued_prefill_tokens) == (3, 0, 250)
     report = ReportedQueue(waiting=2, running=1, prefill_tokens=150)   # one of A's runs; the others wait
-    for account in (a, b):
-        s = account.state(0, 0.0, reported=report)
-        assert (s.queued_requests, s.running_requests, s.queued_prefill_tokens) == (2, 1, 200 if account is a
-                                                                                     else 150)
-        assert s.queued_requests + s.running_requests == 3
+    s = b.state(0, 0.0, reported=report)
+    assert (s.queued_requests, s.running_requests, s.queued_prefill_tokens) == (2, 1, 250)
     # a report older than A's latest dispatch does not hide it: the larger total wins
     a.dispatch(0, 10, 1)
     s = a.state(0, 0.0, reported=report)
@@ -116,9 +116,10 @@ def test_replicas_count_the_others_dispatches_once_through_the_ranks_report():
     assert (s.queued_requests, s.running_requests) == (0, 1)
 
 
-def test_a_router_sees_load_it_did_not_send_through_the_ranks_report():
-    """Two router services over the same ranks: what another sender queued on rank 0 reaches router B only
-    through rank 0's load report, and B sends the next prompt of rank 0's prefix elsewhere until it drains."""
+def test_a_router_sees_load_no_router_sent_through_the_ranks_report():
+    """Two router services over the same ranks: what a client no router saw queued on rank 0 reaches router B
+    only through rank 0's load report, and B sends the next prompt of rank 0's prefix elsewhere until it
+    drains."""
     cluster = LocalCluster.build(2, cache(256))
     a, b = (RouterService(cluster, RouterConfig(tokens_per_block=T, policy="kv")) for _ in range(2))
     shared = list(range(1, 2 * T + 2))
@@ -154,15 +155,20 @@ def test_a_router_sees_load_it_did_not_send_through_the_ranks_report():
 
 @pytest.fixture(scope="module")
 def replicas(ray_session):
+    """Two replicas with no health round while the tests run: each asks the ranks for their load once, at its
+    start, when they are idle, so what it weighs of the other's requests it has from the other alone."""
     cfg = ClusterConfig(num_ranks=2, device="cpu", cache=cache(128), num_cpus_per_rank=0.5, name_prefix=PREFIX,
                         group_timeout_s=30, call_timeout_s=TIMEOUT)
     cluster = Cluster.start(cfg)
     routers = []
     try:
-        routers = start_routers(cluster, RouterActorConfig(port=0, routers=REPLICAS, health_interval_s=0.3),
+        routers = start_routers(cluster, RouterActorConfig(port=0, routers=REPLICAS, health_interval_s=600),
                                 name=f"{PREFIX}-router")
+        handles = [h for h, _ in routers]
+        for _ in range(2):   # past first contact: each replica's first batch to a peer is a reset
+            peer_sync(ray_session, handles)
         clients = [httpx.Client(base_url=url, timeout=TIMEOUT) for _, url in routers]
-        yield cluster, [h for h, _ in routers], clients
+        yield cluster, handles, clients
         for c in clients:
             c.close()
     finally:
@@ -180,16 +186,20 @@ def exact(client: httpx.Client, prompt: str) -> list[int]:
     return [r["matched_tokens"] for r in client.post("/v1/probe", json=body).json()["ranks"]]
 
 
-def settle(clients: list[httpx.Client], prompt: str) -> None:
-    """Wait until every replica weighs every rank idle. A replica learns of a request another replica sent only
-    from the rank's load report, asked for every ``health_interval_s``: one asked while that request ran still
-    shows it queued after it ended, and rightly steers away from the rank until the next report."""
-    def idle(client: httpx.Client) -> bool:
-        ranks = client.post("/v1/route", json={"prompt": prompt}).json()["ranks"]
-        return all(r["load"] == {"queued_requests": 0, "queued_prefill_tokens": 0, "running_requests": 0}
-                   for r in ranks)
-    for i, client in enumerate(clients):
-        wait_for(lambda: idle(client), f"replica {i} to see the ranks idle")
+def peer_sync(ray_session, handles) -> list[dict[str, int]]:
+    """Once every replica has applied what every other one told it so far: per replica, each peer that took it
+    with the count of that replica's events it has applied (every replica reachable)."""
+    synced = ray_session.get([h.peer_sync.remote(TIMEOUT) for h in handles], timeout=2 * TIMEOUT)
+    names = [router_name(i, f"{PREFIX}-router") for i in range(len(handles))]
+    for i, got in enumerate(synced):
+        assert set(got) == set(names) - {names[i]}, f"replica {i} reached only {got}"
+    return synced
+
+
+def idle(client: httpx.Client, prompt: str) -> bool:
+    ranks = client.post("/v1/route", json={"prompt": prompt}).json()["ranks"]
+    return all(r["load"] == {"queued_requests": 0, "queued_prefill_tokens": 0, "running_requests": 0}
+               for r in ranks)
 
 
 def test_replicas_listen_on_ports_of_their_own_under_names_of_their_own(replicas, ray_session):
@@ -220,7 +230,7 @@ def test_replicas_fed_the_same_events_make_the_same_decision(replicas):
     for text in homes.values():
         truth = exact(clients[0], text)
         wait_for(lambda: all(matched(c, text) == truth for c in clients), "every replica to index the pushes")
-    settle(clients, system("r0"))
+    assert all(idle(c, system("r0")) for c in clients), "no router dispatched anything"
     # (a prompt nobody holds is a tie every rank wins equally: which one each replica draws is no disagreement)
     questions = [homes[0] + " and a follow-up", homes[1] + " and another", system("r0")[:40] + " half a prefix"]
     for q in questions:
@@ -231,24 +241,31 @@ def test_replicas_fed_the_same_events_make_the_same_decision(replicas):
         assert clients[1].post("/v1/route", json={"prompt": text + "!"}).json()["rank"] == r
 
 
-def test_a_request_to_any_replica_is_served_and_indexed_by_all(replicas):
-    _, _, clients = replicas
+def test_a_request_to_any_replica_is_served_and_indexed_by_all(replicas, ray_session):
+    """Every replica is told of each request another sent, and of its end, before the next is routed: the
+    follow-ups all go where the prefix is, each replica weighing the ranks idle."""
+    _, handles, clients = replicas
     shared = system("any")
-    for i, client in enumerate(clients):
-        settle(clients, shared)   # else a report of the last follow-up can send this one away from the prefix
-        first = client.post("/v1/completions", json={"prompt": shared + f"Q: first via replica {i}?",
-                                                     "max_tokens": 2})
-        assert first.status_code == 200, first.text
-        home = first.json()["kvledger"]["rank"]
+    told = peer_sync(ray_session, handles)
+
+    def via(k: int, prompt: str, max_tokens: int) -> dict:
+        nonlocal told
+        got = clients[k].post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
+        assert got.status_code == 200, got.text
+        now = peer_sync(ray_session, handles)
+        told[k] = {peer: n + 2 for peer, n in told[k].items()}
+        assert now == told, f"replica {k}'s dispatch and finish, taken by every other, and nothing else"
+        assert all(idle(c, shared) for c in clients), f"every replica knows replica {k}'s request ended"
+        return got.json()["kvledger"]
+
+    for i in range(REPLICAS):
         text = shared + f"Q: first via replica {i}?"
+        home = via(i, text, 2)["rank"]
         for other in clients:
             wait_for(lambda: matched(other, text)[home] > 0, f"replica {clients.index(other)} to index it")
             assert matched(other, text) == exact(other, text)
-        for j, other in enumerate(clients):   # a follow-up to any replica goes where the prefix is
-            settle(clients, shared)
-            again = other.post("/v1/completions", json={"prompt": shared + f"Q: then via {j}?", "max_tokens": 1})
-            assert again.status_code == 200, again.text
-            got = again.json()["kvledger"]
+        for j in range(REPLICAS):   # a follow-up to any replica goes where the prefix is
+            got = via(j, shared + f"Q: then via {j}?", 1)
             assert got["rank"] == home and got["cached_tokens"] >= len(encode(shared)) // T * T
 
 
@@ -275,3 +292,5 @@ def test_a_replica_that_restarts_reattaches_itself_and_the_others_keep_their_str
     truth = exact(clients[0], later)
     for client in clients:   # replica 0 was never detached; replica 1 is attached again
         wait_for(lambda: matched(client, later) == truth, "both replicas to get the next pushes")
+    peer_sync(ray_session, handles)   # each replica reaches the other: replica 0 the new process of replica 1
+    assert all(idle(c, later) for c in clients)

@@ -3,7 +3,9 @@
 Each record gets the next id, router-wide; a reader asks for the records from
 an id on (optionally one rank's) and gets the id to ask from next, so a
 follower never misses or repeats one while the log still holds it. The oldest
-records fall off when the log is full.
+records fall off when the log is full. A batch is logged as the feed decoded
+it, in one entry: its records are made when someone reads them, so the event
+route pays one append per batch.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvledger.worker.wire.events import KVEvent
+from kvledger.worker.wire.events import view_event
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +37,23 @@ class EventRecord:
 _EVENT_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def event_to_dict(ev: KVEvent) -> dict:
-    """An event as JSON-ready fields, ``type`` first (the class name, as on the wire)."""
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One logged batch: its events (decoded events, ``BatchView`` entries or ready dicts) from id ``first``."""
+
+    first: int
+    rank: int
+    seq: int
+    ts: float
+    events: list
+
+
+def event_to_dict(ev: object) -> dict:
+    """An event (or a ``BatchView`` entry) as JSON-ready fields, ``type`` first (the class name, as on the wire);
+    a dict is taken as it is."""
+    if type(ev) is dict:
+        return ev
+    ev = view_event(ev)
     t = type(ev)
     names = _EVENT_FIELDS.get(t)
     if names is None:
@@ -53,7 +70,9 @@ class EventLog:
     def __init__(self, size: int) -> None:
         if type(size) is not int or size < 1:
             raise ValueError(f"size must be an int >= 1, got {size!r}")
-        self._log: deque[EventRecord] = deque(maxlen=size)
+        self._size = size
+        self._log: deque[_Entry] = deque()
+        self._held = 0   # records in ``_log``, the oldest of which may be past ``size`` (not read)
         self._next_id = 0
         self._changed = threading.Condition()
 
@@ -62,13 +81,18 @@ class EventLog:
         """The id the next record will get (= records logged so far)."""
         return self._next_id
 
-    def append(self, rank: int, seq: int, ts: float, events: list[dict]) -> None:
+    def append(self, rank: int, seq: int, ts: float, events: list) -> None:
+        """Log one batch's events (``event_to_dict`` takes each when it is read)."""
+        if not events:
+            return
         with self._changed:
-            for ev in events:
-                self._log.append(EventRecord(self._next_id, rank, seq, ts, ev))
-                self._next_id += 1
-            if events:
-                self._changed.notify_all()
+            log = self._log
+            log.append(_Entry(self._next_id, rank, seq, ts, events))
+            self._next_id += len(events)
+            self._held += len(events)
+            while self._held - len(log[0].events) >= self._size:
+                self._held -= len(log.popleft().events)
+            self._changed.notify_all()
 
     def read(self, since: int = 0, rank: int | None = None, limit: int = 1000) -> tuple[list[EventRecord], int]:
         """Records with ``id >= since`` (of ``rank`` only, if given), at most ``limit``; and the id to ask from
@@ -97,12 +121,22 @@ class EventLog:
         log = self._log
         if since >= self._next_id or not log:
             return [], since
+        start = max(since, self._next_id - self._size)   # the oldest record still held
+        back = 0   # entries after the one holding ``start``, counted from the end: followers read near it
+        for entry in reversed(log):
+            if entry.first <= start:
+                break
+            back += 1
         out: list[EventRecord] = []
         nxt = since
-        for rec in itertools.islice(log, max(0, since - log[0].id), None):
-            nxt = rec.id + 1
-            if rank is None or rec.rank == rank:
-                out.append(rec)
+        for entry in itertools.islice(log, max(0, len(log) - 1 - back), None):
+            skip = max(0, start - entry.first)
+            if rank is not None and entry.rank != rank:
+                nxt = entry.first + len(entry.events)
+                continue
+            for j, ev in enumerate(entry.events[skip:], entry.first + skip):
+                out.append(EventRecord(j, entry.rank, entry.seq, entry.ts, event_to_dict(ev)))
+                nxt = j + 1
                 if len(out) >= limit:
-                    break
+                    return out, nxt
         return out, nxt

@@ -34,7 +34,7 @@ from kvledger.router.admission import AdmissionGate, AdmissionRefused, Held
 from kvledger.router.chat import render_plain
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import EventFeed
-from kvledger.router.index import PrefixIndex
+from kvledger.router.numbering import SequencedIndex
 from kvledger.router.load import LoadAccount, ReportedQueue
 from kvledger.router.openai_types import ParamError
 from kvledger.router.policies import NoLiveRankError, RouteDecision, RouteRequest, RoutingPolicy
@@ -290,8 +290,8 @@ class RouterService:
             return set(own.live())
         return {r for r, e in self.ranks.engines().items() if e.info.model == model}
     @property
-    def index(self) -> PrefixIndex:
-        """The feed's ``PrefixIndex`` (read it under ``feed.lock``)."""
+    def index(self) -> SequencedIndex:
+        """The feed's ``SequencedIndex`` (read it under ``feed.lock``)."""
         return self.feed.index
 
     def _forget(self, rank: int) -> None:

@@ -38,12 +38,7 @@ from kvledger.router.rank_client import RankDiedError, RankSet
 from kvledger.router.rejections import BLOCK_SIZE, INVALID, MALFORMED, Rejections
 from kvledger.router.stats import RateMeter
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot
-from kvledger.worker.wire.events import (
-    BatchView,
-    EventBatch,
-    EventDecodeError,
-    decode_view,
-)
+from kvledger.worker.wire.events import BatchView, EventBatch, EventDecodeError, decode_view
 
 logger = logging.getLogger(__name__)
 

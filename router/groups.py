@@ -17,22 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvledger.router.index import (
-    DEV_MASK,
-    PrefixIndex,
-    SnapshotEntry,
-    T,
-    group0_refs,
-    read_snapshot,
-    tier_unit,
-)
-from kvledger.worker.wire.events import (
-    EVENT_CLASS,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheCreated,
-)
+from kvledger.router.index import PrefixIndex, T
+from kvledger.router.refs import DEV_MASK, held_on, tier_unit
+from kvledger.router.snapshot import SnapshotEntry, group0_refs, read_snapshot
+from kvledger.worker.wire.events import EVENT_CLASS, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheCreated
 from kvledger.worker.wire.windows import first_needed_block
 
 
@@ -66,7 +54,7 @@ class RankGroups:
         """Drop one ref of ``h`` on ``unit``'s tier; ``False`` (changing nothing) when the group holds none there."""
         refs = self.held(group_idx)
         v = refs.get(h, 0)
-        if not (v >> 32 if unit > DEV_MASK else v & DEV_MASK):
+        if not held_on(v, unit):
             return False
         if v == unit:
             del refs[h]
@@ -124,15 +112,14 @@ class WindowedIndex(PrefixIndex):
         super().__init__(tokens_per_block)
         self._groups: dict[int, RankGroups] = {}   # windowed rank -> its groups
 
-    def groups(self, rank: int) -> RankGroups | None:
-        """``rank``'s groups, if its events showed windows."""
-        return self._groups.get(rank)
-
     def apply(self, rank: int, events: Sequence[object]) -> str | None:
+        """``PrefixIndex.apply``; a windowed rank's events of groups past 0 are applied to its groups, with the
+        rest, all or none."""
         groups = self._groups.get(rank)
+        if groups is None and not any(map(_shows_windows, events)):
+            return super().apply(rank, events)
+        self._check_sizes(rank, events)
         if groups is None:
-            if not any(map(_shows_windows, events)):
-                return super().apply(rank, events)
             groups = self._groups[rank] = RankGroups()
         undo: list[tuple[int, int, int] | dict[int, dict[int, int]]] = []   # (group, hash, ±unit), or a clear
         flat = []

@@ -1,55 +1,35 @@
 """The router's block store: block hash -> the ranks holding it and on which tier, behind ``BlockIndex``.
 
-The store applies decoded event batches, already put in order by the feed's
-numbering (``router.numbering``), and answers probes. Chained hashes name
-whole prefixes, so it is a flat map, not a tree: ``holders[h]`` is a bit mask
-of the ranks holding ``h`` on any tier, ``host_only[h]`` of those holding it
-only on the host tier (one bit per rank, reused after it leaves). One AND per
-block walks every rank at once, and the maps hold no objects for the garbage
-collector. Each rank's refs per hash are packed in one int (device refs in the
-low 32 bits, host refs above): two stores of one hash then one removal leave it
-held, as vLLM's block pool may hold two blocks with one hash.
+It applies decoded batches that the numbering (``router.numbering``) has put
+in order, and answers probes. Chained hashes name whole prefixes, so the store
+is a flat map, not a tree: ``holders[h]`` is a bit mask of the ranks holding
+``h`` on any tier (``router.rank_bits``), ``host_only[h]`` of those holding it
+on the host tier only; one AND per block walks every rank at once. Each rank's
+refs per hash are one packed int (``router.refs``). Ranks are indexed at their
+own block sizes in the one map, since chains of different sizes never meet.
 
 A batch applies whole or not at all: a removal or move of a block the rank
-does not hold there rolls back what the batch did and says why (the view has
-diverged; the feed asks for a snapshot). Ranks are indexed at their own block
-sizes in the one map, since chains of different sizes never meet. How held
-blocks chain is kept in ``router.chains``, which lets probes bisect
-(``router.chain_match``); models with attention windows use the
+does not hold there rolls the batch back and says why (the view diverged).
+How held blocks chain (``router.chains``) lets a probe bisect instead of
+walking (``router.chain_match``). Models with attention windows use the
 ``WindowedIndex`` variant (``router.groups``).
 """
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import and_, not_, or_
 from typing import Protocol, TypeVar
 
 from kvledger.router.chain_match import chain_ends, walk
 from kvledger.router.chains import UNKNOWN, Chains, RankHoldings
-from kvledger.worker.wire.events import (
-    EVENT_CLASS,
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    KVCacheCreated,
-    Medium,
-    check_hash,
-    check_medium,
-)
+from kvledger.router.rank_bits import RankBits
+from kvledger.router.refs import DEV, DEV_MASK, HOST, held_on, tier_unit
+from kvledger.router.snapshot import SnapshotEntry, group0_refs, read_snapshot
+from kvledger.worker.wire.events import EVENT_CLASS, BlockRemoved, BlockStored, BlockUpdated, KVCacheCreated
 
-DEV = 1                   # one device-tier ref
-HOST = 1 << 32            # one host-tier ref
-DEV_MASK = HOST - 1
 T = TypeVar("T")          # what a probe's caller makes of one match
-
-
-def tier_unit(medium: Medium | None) -> int:
-    """The packed increment for one ref on ``medium`` (``None`` = unspecified = device, as vLLM means it)."""
-    return HOST if medium == "CPU" else DEV
 
 
 def _pair(blocks: int, host_blocks: int) -> tuple[int, int]:
@@ -58,35 +38,6 @@ def _pair(blocks: int, host_blocks: int) -> tuple[int, int]:
 
 class BlockSizeError(ValueError):
     """An event's block size is not the one its rank is indexed at."""
-
-
-class SnapshotEntry(Protocol):
-    """One block a rank holds, as its snapshot lists it (``kvledger.worker.wire.batches.StoredBlock`` is one)."""
-
-    @property
-    def block_hash(self) -> int: ...
-
-    @property
-    def medium(self) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotBlock:
-    """The least a snapshot entry carries; a hash listed twice holds two refs."""
-
-    block_hash: int
-    medium: Medium = "GPU"
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotRow:
-    """A snapshot entry, checked: its group, hash, packed ref unit, and the group's window as the entry says."""
-
-    group: int
-    block_hash: int
-    unit: int
-    kind: str | None
-    window: int | None
 
 
 class BlockIndex(Protocol):
@@ -117,8 +68,8 @@ class BlockIndex(Protocol):
 class PrefixIndex:
     """The flat-map ``BlockIndex`` (see the module docstring); group 0 only (``WindowedIndex`` keeps the rest)."""
 
-    __slots__ = ("tokens_per_block", "_holders", "_host_only", "_holdings", "_slot_rank", "_free_slots",
-                 "_block_sizes", "_chains", "_walked", "_mask_ranks")
+    __slots__ = ("tokens_per_block", "_holders", "_host_only", "_holdings", "_bits", "_block_sizes", "_chains",
+                 "_walked")
 
     def __init__(self, tokens_per_block: int) -> None:
         if type(tokens_per_block) is not int or tokens_per_block <= 0:
@@ -127,12 +78,10 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}     # hash -> mask of the ranks' bits, any tier
         self._host_only: dict[int, int] = {}   # hash -> mask of ranks holding it on the host tier only
         self._holdings: dict[int, RankHoldings] = {}
-        self._slot_rank: list[int | None] = []  # bit position -> rank
-        self._free_slots: list[int] = []        # min-heap of freed bit positions
+        self._bits = RankBits()
         self._block_sizes: dict[int, int] = {}  # rank -> its block size, where not tokens_per_block
         self._chains = Chains()
         self._walked = 0                          # mask of the ranks with orphans or untracked holdings
-        self._mask_ranks: dict[int, tuple[int, ...]] = {}   # mask -> its ranks, for answers (holder sets repeat)
 
     # --- reading ------------------------------------------------------------
 
@@ -160,7 +109,7 @@ class PrefixIndex:
 
     def holders(self, block_hash: int) -> list[int]:
         """Ranks holding ``block_hash`` on any tier, ascending."""
-        return sorted(self._ranks_in(self._holders.get(block_hash, 0)))
+        return sorted(self._bits.ranks_in(self._holders.get(block_hash, 0)))
 
     def num_blocks(self, rank: int | None = None) -> int:
         """Distinct hashes held by ``rank``, or by anyone when ``rank`` is None."""
@@ -207,21 +156,18 @@ class PrefixIndex:
         out: dict[int, T] = {}
         if not host:   # one answer for the ranks of each end, none holding a block on the host tier only
             masks, at = zip(*ends)
-            groups = list(map(self._mask_ranks.get, masks))
-            if None in groups:
-                groups = list(map(self._ranks_of, masks))
+            groups = self._bits.ranks_of(list(masks))
             # A plain loop: cheaper here than ``dict(zip(...))`` of chained ``repeat``s (an object per end)
             for ranks, answer in zip(groups, map(make, at, repeat(0))):
                 for rank in ranks:
                     out[rank] = answer
             return out
         made: dict[tuple[int, int], T] = {}
-        slot_rank = self._slot_rank
+        rank_of = self._bits.rank_of
         for bits, matched in ends:
             while bits:
                 low = bits & -bits
-                rank = slot_rank[low.bit_length() - 1]
-                assert rank is not None, "a freed slot's bit was left in a mask"
+                rank = rank_of(low)
                 key = (matched, host.get(low, 0))
                 got = made.get(key)
                 out[rank] = made[key] = make(*key) if got is None else got
@@ -233,16 +179,19 @@ class PrefixIndex:
     def apply(self, rank: int, events: Sequence[object]) -> str | None:
         """Apply one batch's events in order, all or none (events checked, as ``decode_view`` and ``check_event``
         check them); ``None``, or why the batch was rolled back. ``BlockSizeError`` changes nothing."""
+        self._check_sizes(rank, events)
+        rh = self._holdings.get(rank) or self._new_holdings(rank)
+        diverged = self._commit(rh, events)
+        self._settle(rh)
+        return diverged
+
+    def _check_sizes(self, rank: int, events: Sequence[object]) -> None:
         tpb = self.block_size(rank)
         for i, ev in enumerate(events):
             t = EVENT_CLASS[type(ev)]
             if (t is BlockStored or t is KVCacheCreated) and ev.block_size != tpb:
                 raise BlockSizeError(f"events[{i}]: {t.__name__}.block_size {ev.block_size} differs from rank "
                                      f"{rank}'s {tpb} tokens per block; blocks of another size never match")
-        rh = self._holdings.get(rank) or self._new_holdings(rank)
-        diverged = self._commit(rh, events)
-        self._settle(rh)
-        return diverged
 
     def set_block_size(self, rank: int, block_size: int) -> None:
         """Index ``rank`` at ``block_size`` tokens per block from now on (it keeps it across ``remove_rank``).
@@ -286,43 +235,13 @@ class PrefixIndex:
         if rh is not None:
             self._purge(rh)
             self._walked &= ~rh.bit
-            self._mask_ranks.clear()   # its bit will be another rank's
-            slot = rh.bit.bit_length() - 1
-            self._slot_rank[slot] = None
-            heapq.heappush(self._free_slots, slot)
+            self._bits.give_back(rh.bit)
 
     # --- internals ----------------------------------------------------------
 
     def _new_holdings(self, rank: int) -> RankHoldings:
-        """Holdings with the lowest free bit, so masks stay as short as the cluster is small."""
-        self._mask_ranks.clear()   # a bit gets its rank
-        if self._free_slots:
-            slot = heapq.heappop(self._free_slots)
-            self._slot_rank[slot] = rank
-        else:
-            slot = len(self._slot_rank)
-            self._slot_rank.append(rank)
-        rh = self._holdings[rank] = RankHoldings(rank, 1 << slot)
+        rh = self._holdings[rank] = RankHoldings(rank, self._bits.take(rank))
         return rh
-
-    def _ranks_in(self, mask: int) -> list[int]:
-        out = []
-        while mask:
-            low = mask & -mask
-            rank = self._slot_rank[low.bit_length() - 1]
-            assert rank is not None, "a freed slot's bit was left in a mask"
-            out.append(rank)
-            mask ^= low
-        return out
-
-    def _ranks_of(self, mask: int) -> tuple[int, ...]:
-        """The ranks of ``mask``, remembered: a probe's answer reuses the same few holder sets."""
-        ranks = self._mask_ranks.get(mask)
-        if ranks is None:
-            if len(self._mask_ranks) >= 4096:
-                self._mask_ranks.clear()
-            ranks = self._mask_ranks[mask] = tuple(self._ranks_in(mask))
-        return ranks
 
     def _commit(self, rh: RankHoldings, events: Sequence[object]) -> str | None:
         """Apply the events in order; on a removal or move of a block the rank does not hold on that tier, roll
@@ -353,7 +272,7 @@ class PrefixIndex:
                 if unit == DEV and self._drop_run(rh, hs):
                     continue
                 for j, h in enumerate(hs):
-                    if _held(refs.get(h, 0), unit):
+                    if held_on(refs.get(h, 0), unit):
                         self._sub(rh, h, unit)
                     else:
                         self._roll_back(rh, events, i, j, cleared)
@@ -361,7 +280,7 @@ class PrefixIndex:
             elif t is BlockUpdated:
                 if _is_move(ev):
                     old = tier_unit(ev.old_medium)
-                    if not _held(refs.get(ev.block_hash, 0), old):
+                    if not held_on(refs.get(ev.block_hash, 0), old):
                         self._roll_back(rh, events, i, 0, cleared)
                         return _diverged(i, "moves", ev.block_hash, old)
                     # add before taking away, so the block never looks absent mid-move
@@ -473,35 +392,6 @@ class PrefixIndex:
         rh.forget_chains()
 
 
-def read_snapshot(blocks: Iterable[SnapshotEntry]) -> list[SnapshotRow]:
-    """Check every entry of a snapshot (``TypeError``/``ValueError`` naming the first bad one)."""
-    rows = []
-    for i, b in enumerate(blocks):
-        try:
-            h, medium = b.block_hash, b.medium
-        except AttributeError:
-            raise TypeError(f"blocks[{i}] must have block_hash and medium (e.g. SnapshotBlock), "
-                            f"got {type(b).__name__}") from None
-        h = check_hash(h, f"blocks[{i}].block_hash")
-        if check_medium(medium, f"blocks[{i}].medium") is None:
-            raise ValueError(f"blocks[{i}].medium must be 'GPU' or 'CPU', got None")
-        g = getattr(b, "group_idx", 0)
-        if type(g) is not int or g < 0:
-            raise ValueError(f"blocks[{i}].group_idx must be an int >= 0, got {g!r}")
-        rows.append(SnapshotRow(g, h, tier_unit(medium), getattr(b, "kv_cache_spec_kind", None),
-                                getattr(b, "kv_cache_spec_sliding_window", None)))
-    return rows
-
-
-def group0_refs(rows: list[SnapshotRow]) -> dict[int, int]:
-    """The packed refs per hash of a snapshot's group 0 (every block, for a model without windows)."""
-    refs: dict[int, int] = {}
-    for row in rows:
-        if not row.group:
-            refs[row.block_hash] = refs.get(row.block_hash, 0) + row.unit
-    return refs
-
-
 def _clear_bit(masks: dict[int, int], h: int, bit: int) -> None:
     """Take ``bit`` out of ``masks[h]``, dropping the entry when no bit is left."""
     m = masks[h] & ~bit
@@ -509,11 +399,6 @@ def _clear_bit(masks: dict[int, int], h: int, bit: int) -> None:
         masks[h] = m
     else:
         del masks[h]
-
-
-def _held(v: int, unit: int) -> bool:
-    """Whether packed refs ``v`` include one on the tier of ``unit``."""
-    return bool(v >> 32) if unit == HOST else bool(v & DEV_MASK)
 
 
 def _diverged(i: int, what: str, h: int, unit: int) -> str:

@@ -14,7 +14,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvledger.router.index import BlockIndex, SnapshotEntry
+from kvledger.router.index import BlockIndex
+from kvledger.router.snapshot import SnapshotEntry
 from kvledger.worker.wire.events import (
     EVENT_CLASS,
     BatchView,

@@ -1,50 +1,19 @@
-"""The router's prefix index: refcounts, numbering (gap -> replay, restart -> snapshot), purge, atomic
-batches, tier moves, and the foreign (vLLM) hash mapping."""
+"""The router's block store: refcounts, snapshots, purge, atomic batches, tier moves, chains, window groups,
+and the foreign (vLLM) hash mapping; fed through the numbering (``test_router_numbering`` tests that part)."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from index_helpers import H, TPB, batch, ingest, make_index, removed, state, stored
+
 from kvledger.router.foreign import ForeignFeed
-from kvledger.router.groups import WindowedIndex
-from kvledger.router.index import SnapshotBlock
 from kvledger.router.numbering import ApplyStatus, SequencedIndex
 from kvledger.router.probe import match_prefix, prompt_hashes
+from kvledger.router.snapshot import SnapshotBlock
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
-from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
-                                         EventDecodeError, KVCacheCreated, encode_batch)
-
-TPB = 4
-H = [0x1000 + i for i in range(32)]   # stand-in chained hashes: the index treats hashes as opaque
-
-
-def stored(hashes, parent=None, medium="GPU"):
-    return BlockStored(list(hashes), parent, [7] * (TPB * len(hashes)), TPB, medium=medium)
-
-
-def removed(hashes, medium="GPU"):
-    return BlockRemoved(list(hashes), medium)
-
-
-def batch(*events, rank=None):
-    return EventBatch(0.0, list(events), rank)
-
-
-def state(index: SequencedIndex, ranks=range(4), hashes=H):
-    """Everything observable: numbering, waiting flags, refs per (rank, hash), holders per hash."""
-    return ({r: (index.next_seq(r), index.awaiting_snapshot(r)) for r in ranks},
-            {(r, h): index.store.refs(r, h) for r in ranks for h in hashes},
-            {h: index.store.holders(h) for h in hashes}, index.num_blocks())
-
-
-def make_index() -> SequencedIndex:
-    return SequencedIndex(WindowedIndex(TPB))
-
-
-def apply_bytes(index: SequencedIndex, rank: int, seq: int, data: bytes):
-    return index.ingest(rank, seq, data)[0]
-
+from kvledger.worker.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated
 
 @pytest.fixture
 def index():
@@ -95,57 +64,6 @@ def test_all_blocks_cleared_drops_only_that_rank(index):
     assert index.apply(0, 1, batch(AllBlocksCleared(), stored(H[5:6]))).applied
     assert index.num_blocks(0) == 1
     assert index.store.holders(H[0]) == [1]
-
-
-# --- numbering --------------------------------------------------------------------------------
-
-def test_gap_asks_for_replay_and_applies_nothing(index):
-    index.apply(0, 0, batch(stored(H[:1])))
-    before = state(index)
-    r = index.apply(0, 2, batch(stored(H[1:2])))
-    assert (r.status, r.replay_from, r.next_seq) == (ApplyStatus.REPLAY, 1, 1)
-    assert state(index) == before
-    assert index.apply(0, 1, batch(stored(H[2:3]))).applied     # the replayed batch
-    assert index.apply(0, 2, batch(stored(H[1:2]))).applied
-    assert index.next_seq(0) == 3
-    assert index.stats.replays_requested == 1
-
-
-def test_first_batch_seen_late_asks_for_replay_from_zero(index):
-    r = index.apply(3, 5, batch(stored(H[:1])))
-    assert r.status is ApplyStatus.REPLAY and r.replay_from == 0
-
-
-def test_duplicate_is_ignored(index):
-    index.apply(0, 0, batch(stored(H[:1])))
-    index.apply(0, 1, batch(stored(H[1:2])))
-    before = state(index)
-    r = index.apply(0, 1, batch(stored(H[1:2])))
-    assert r.status is ApplyStatus.DUPLICATE and r.replay_from is None
-    assert state(index) == before
-
-
-@pytest.mark.parametrize("restart", ["renumbered", "created"])
-def test_restart_purges_the_rank_and_waits_for_a_snapshot(index, restart):
-    index.apply(0, 0, batch(KVCacheCreated({"GPU": 8}, TPB), stored(H[:3])))
-    index.apply(0, 1, batch(stored(H[3:4], parent=H[2])))
-    index.apply(1, 0, batch(stored(H[:2])))
-    r = (index.apply(0, 0, batch(KVCacheCreated({"GPU": 8}, TPB))) if restart == "renumbered"
-         else index.apply(0, 2, batch(KVCacheCreated({"GPU": 8}, TPB), stored(H[:1]))))
-    assert r.status is ApplyStatus.SNAPSHOT and r.next_seq == 0
-    assert index.num_blocks(0) == 0 and index.store.holders(H[0]) == [1]    # purged at once
-    assert index.awaiting_snapshot(0)
-    assert index.apply(0, 1, batch(stored(H[:1]))).status is ApplyStatus.SNAPSHOT   # still waiting
-    index.load_snapshot(0, [SnapshotBlock(H[0]), SnapshotBlock(H[1], "CPU")], next_seq=4)
-    assert not index.awaiting_snapshot(0)
-    assert index.store.refs(0, H[1]) == (0, 1)
-    assert index.apply(0, 4, batch(stored(H[2:3], parent=H[1]))).applied
-    assert index.store.longest_prefixes(H[:3]) == {0: (3, 1), 1: (2, 0)}
-
-
-def test_kv_cache_created_opens_a_fresh_rank(index):
-    assert index.apply(2, 0, batch(KVCacheCreated({"GPU": 8, "CPU": 4}, TPB), stored(H[:2]))).applied
-    assert index.num_blocks(2) == 2
 
 
 def test_load_snapshot_counts_duplicates_and_replaces_holdings(index):
@@ -212,16 +130,6 @@ def test_malformed_event_rejects_the_whole_batch(index, bad, exc):
     assert state(index) == before
 
 
-def test_wrong_rank_or_numbering_is_a_caller_error(index):
-    with pytest.raises(ValueError, match="rank 2"):
-        index.apply(1, 0, batch(stored(H[:1]), rank=2))
-    with pytest.raises(ValueError, match="seq"):
-        index.apply(1, -1, batch())
-    with pytest.raises(TypeError):
-        index.apply(1, 0, [stored(H[:1])])
-    assert index.ranks() == []
-
-
 def test_divergent_removal_rolls_the_batch_back(index):
     index.apply(0, 0, batch(stored(H[:3])))
     index.apply(0, 1, batch(BlockUpdated(H[2], "GPU", "CPU")))
@@ -239,16 +147,6 @@ def test_moving_a_block_from_a_tier_that_lacks_it_diverges(index):
     r = index.apply(0, 1, batch(removed(H[:1]), BlockUpdated(H[1], "CPU", "GPU")))
     assert r.status is ApplyStatus.SNAPSHOT
     assert state(index)[1:] == before[1:]
-
-
-def test_apply_bytes_round_trip_and_malformed_bytes(index):
-    data = encode_batch(batch(KVCacheCreated({"GPU": 4}, TPB), stored(H[:3]), rank=0))
-    assert apply_bytes(index, 0, 0, data).applied
-    assert index.store.longest_prefixes(H[:3]) == {0: (3, 0)}
-    before = state(index)
-    with pytest.raises(EventDecodeError):
-        apply_bytes(index, 0, 1, data[:-3])
-    assert state(index) == before
 
 
 # --- model-based property: refcounts and rollback agree with a plain dict -------------------------
@@ -473,7 +371,8 @@ def test_chain_prefixes_walk_ranks_with_holes_and_sequences_that_are_not_chains(
     assert index.store._walked == 0
     assert index.store.chain_prefixes(c) == {0: (8, 0), 1: (8, 0)}
     not_a_chain = [c[0], c[5], c[1], c[2]]                # held blocks, but not each the child of the one before
-    assert index.store.chain_prefixes(not_a_chain) == index.store.longest_prefixes(not_a_chain) == {0: (4, 0), 1: (4, 0)}
+    assert index.store.chain_prefixes(not_a_chain) == index.store.longest_prefixes(not_a_chain) \
+        == {0: (4, 0), 1: (4, 0)}
 
 
 def test_snapshot_of_blocks_of_unknown_parent_is_walked_block_by_block(index):
@@ -483,17 +382,6 @@ def test_snapshot_of_blocks_of_unknown_parent_is_walked_block_by_block(index):
     assert index.store.chain_prefixes(c) == {2: (5, 0)}
     index.apply(2, 0, batch(AllBlocksCleared(), stored(c[:2])))
     assert index.store._walked == 0 and index.store.chain_prefixes(c) == {2: (2, 0)}
-
-
-def test_apply_bytes_reads_no_token_ids_but_rejects_what_is_not_an_array(index):
-    good = stored(H[:1])
-    data = encode_batch(batch(good, rank=0))
-    assert apply_bytes(index, 0, 0, data).applied
-    not_an_array = data.replace(bytes([0x94]) + bytes([7]) * 4, bytes([7]))   # token_ids [7, 7, 7, 7] -> 7
-    assert not_an_array != data
-    with pytest.raises(EventDecodeError, match="token_ids"):
-        apply_bytes(index, 0, 1, not_an_array)
-    assert index.next_seq(0) == 1
 
 
 # --- KV cache groups (attention windows) --------------------------------------------------------------------------
@@ -569,5 +457,5 @@ def test_vllm_style_group_maps_decode_and_index(index):
                                 ev("BlockStored", 1, H[:4], kv_cache_spec_kind="sliding_window",
                                    kv_cache_spec_sliding_window=8),
                                 ev("BlockRemoved", 1, H[:1])], 0])
-    assert apply_bytes(index, 0, 0, data).applied
+    assert ingest(index, 0, 0, data).applied
     assert matched(index, 0, 4) == 4 and matched(index, 0, 1) == 0   # one block needs group 1's block 0

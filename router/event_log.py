@@ -3,9 +3,10 @@
 Each record gets the next id, router-wide; a reader asks for the records from
 an id on (optionally one rank's) and gets the id to ask from next, so a
 follower never misses or repeats one while the log still holds it. The oldest
-records fall off when the log is full. A batch is logged as the feed decoded
-it, in one entry: its records are made when someone reads them, so the event
-route pays one append per batch.
+records fall off when the log is full. A batch is logged whole, in one entry,
+and its records are made when someone reads them: the event route pays one
+append per batch. An own rank's batch is kept as its wire bytes (a reader
+decodes what it reads), so the route holds on to nothing it decoded.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvledger.worker.wire.events import view_event
+from kvledger.worker.wire.events import KVEvent, decode_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,23 +38,27 @@ class EventRecord:
 _EVENT_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Entry:
-    """One logged batch: its events (decoded events, ``BatchView`` entries or ready dicts) from id ``first``."""
+    """One logged batch of ``n`` records from id ``first``: its events (or ready dicts), or its wire bytes."""
 
     first: int
     rank: int
     seq: int
     ts: float
-    events: list
+    events: list | bytes
+    n: int
+
+    def records(self, skip: int) -> list[EventRecord]:
+        events = decode_batch(self.events).events if type(self.events) is bytes else self.events
+        return [EventRecord(i, self.rank, self.seq, self.ts, event_to_dict(ev))
+                for i, ev in enumerate(events[skip:], self.first + skip)]
 
 
-def event_to_dict(ev: object) -> dict:
-    """An event (or a ``BatchView`` entry) as JSON-ready fields, ``type`` first (the class name, as on the wire);
-    a dict is taken as it is."""
+def event_to_dict(ev: KVEvent | dict) -> dict:
+    """An event as JSON-ready fields, ``type`` first (the class name, as on the wire); a dict is taken as it is."""
     if type(ev) is dict:
         return ev
-    ev = view_event(ev)
     t = type(ev)
     names = _EVENT_FIELDS.get(t)
     if names is None:
@@ -81,17 +86,24 @@ class EventLog:
         """The id the next record will get (= records logged so far)."""
         return self._next_id
 
-    def append(self, rank: int, seq: int, ts: float, events: list) -> None:
+    def append(self, rank: int, seq: int, ts: float, events: list[KVEvent | dict]) -> None:
         """Log one batch's events (``event_to_dict`` takes each when it is read)."""
-        if not events:
+        self._add(rank, seq, ts, events, len(events))
+
+    def append_wire(self, rank: int, seq: int, ts: float, data: bytes, n: int) -> None:
+        """Log a batch of ``n`` events by its wire bytes (``decode_batch`` reads them when they are read)."""
+        self._add(rank, seq, ts, data, n)
+
+    def _add(self, rank: int, seq: int, ts: float, events: list | bytes, n: int) -> None:
+        if not n:
             return
         with self._changed:
             log = self._log
-            log.append(_Entry(self._next_id, rank, seq, ts, events))
-            self._next_id += len(events)
-            self._held += len(events)
-            while self._held - len(log[0].events) >= self._size:
-                self._held -= len(log.popleft().events)
+            log.append(_Entry(self._next_id, rank, seq, ts, events, n))
+            self._next_id += n
+            self._held += n
+            while self._held - log[0].n >= self._size:
+                self._held -= log.popleft().n
             self._changed.notify_all()
 
     def read(self, since: int = 0, rank: int | None = None, limit: int = 1000) -> tuple[list[EventRecord], int]:
@@ -130,13 +142,12 @@ class EventLog:
         out: list[EventRecord] = []
         nxt = since
         for entry in itertools.islice(log, max(0, len(log) - 1 - back), None):
-            skip = max(0, start - entry.first)
             if rank is not None and entry.rank != rank:
-                nxt = entry.first + len(entry.events)
+                nxt = entry.first + entry.n
                 continue
-            for j, ev in enumerate(entry.events[skip:], entry.first + skip):
-                out.append(EventRecord(j, entry.rank, entry.seq, entry.ts, event_to_dict(ev)))
-                nxt = j + 1
-                if len(out) >= limit:
-                    return out, nxt
+            recs = entry.records(max(0, start - entry.first))[:limit - len(out)]
+            out += recs
+            nxt = recs[-1].id + 1
+            if len(out) >= limit:
+                break
         return out, nxt

@@ -167,11 +167,11 @@ class EventFeed:
             self.ingest(rank, batch.seq, batch.data)
 
     def _rank_lock(self, rank: int) -> threading.Lock:
-        with self._rank_locks_guard:
-            lock = self._rank_locks.get(rank)
-            if lock is None:
-                lock = self._rank_locks[rank] = threading.Lock()
-            return lock
+        lock = self._rank_locks.get(rank)   # a dict read is atomic: the guard is for making one only
+        if lock is None:
+            with self._rank_locks_guard:
+                lock = self._rank_locks.setdefault(rank, threading.Lock())
+        return lock
 
     def _take(self, rank: int, seq: int, data: bytes) -> ApplyResult:
         """The one route of an own rank's batch into the index (see the module docstring)."""
@@ -189,15 +189,19 @@ class EventFeed:
                 raise
             if res.status is ApplyStatus.APPLIED:
                 self._known.add(rank)
-                self._applied(rank, seq, batch)
+                self._applied(rank, seq, batch, data)
         return res
 
-    def _applied(self, rank: int, seq: int, batch: EventBatch | BatchView) -> None:
-        """Count and log an applied batch (under ``lock``): own ranks' and foreign engines' alike."""
+    def _applied(self, rank: int, seq: int, batch: EventBatch | BatchView, data: bytes | None = None) -> None:
+        """Count and log an applied batch (under ``lock``): own ranks' by their wire bytes ``data``, foreign
+        engines' as translated."""
         c = self._counter(rank)
         c.batches += 1
         c.events.add(len(batch.events))
-        self.log.append(rank, seq, batch.ts, batch.events)
+        if data is None:
+            self.log.append(rank, seq, batch.ts, batch.events)
+        else:
+            self.log.append_wire(rank, seq, batch.ts, data, len(batch.events))
 
     def _catch_up(self, rank: int, from_seq: int) -> ApplyResult:
         batches = self.ranks.client(rank).replay_events(from_seq)
@@ -217,13 +221,13 @@ class EventFeed:
         return ApplyResult(ApplyStatus.SNAPSHOT, snap.next_seq, "snapshot loaded")
 
     def _load_snapshot(self, rank: int, pending: PublishedBatch | None, snap: Snapshot) -> None:
-        pending_events = decode_view(pending.data) if pending is not None else None   # logged, not applied
+        pending_events = decode_view(pending.data) if pending is not None else None   # counted and logged
         with self.lock:
             self.index.load_snapshot(rank, snap.blocks, snap.next_seq)
             self._known.add(rank)
             if pending_events is not None:
                 self._counter(rank).events.add(len(pending_events.events))
-                self.log.append(rank, pending.seq, pending_events.ts, pending_events.events)
+                self.log.append_wire(rank, pending.seq, pending_events.ts, pending.data, len(pending_events.events))
             self.log.append(rank, -1, time.time(), [{"type": "Snapshot", "blocks": len(snap.blocks),
                                                      "next_seq": snap.next_seq}])
 

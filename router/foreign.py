@@ -27,16 +27,8 @@ from kvledger.router.index import BlockSizeError
 from kvledger.router.numbering import ApplyResult, ApplyStatus, SequencedIndex
 from kvledger.router.rejections import UNKNOWN_HASH, UNKNOWN_PARENT, Rejections
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
-from kvledger.worker.wire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    EventBatch,
-    KVCacheCreated,
-    KVEvent,
-    check_event,
-)
+from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
+                                         KVCacheCreated, KVEvent, check_event)
 
 
 @dataclass(slots=True)

@@ -423,7 +423,6 @@ _STORED_VIEW = _wire_struct(BlockStored, msgspec.Raw)
 _DECODER = _batch_decoder(list(_WIRE.values()))
 _VIEW_DECODER = _batch_decoder([_STORED_VIEW if cls is BlockStored else s for cls, s in _WIRE.items()])
 _TOKENS = msgspec.msgpack.Decoder(list[_Nat])
-_TOKEN_IDS_AT = [f.name for f in fields(BlockStored)].index("token_ids")
 
 #: The event class each decoded struct stands for, and each event class itself: what a reader of
 #: ``decode_view`` dispatches on.
@@ -473,16 +472,6 @@ def decode_view(data: bytes) -> BatchView:
         checked = _decode_checked(data)
         return BatchView(checked.ts, list(checked.events), checked.rank)
     return BatchView(wire.ts, wire.events, wire.rank)
-
-
-def view_event(ev: object) -> KVEvent:
-    """The event a ``BatchView`` entry stands for, its token ids built into a list (monitors read them)."""
-    t = type(ev)
-    if t is _STORED_VIEW:
-        args = list(astuple(ev))
-        args[_TOKEN_IDS_AT] = _TOKENS.decode(args[_TOKEN_IDS_AT])
-        return BlockStored(*args)
-    return ev if t is EVENT_CLASS[t] else EVENT_CLASS[t](*astuple(ev))
 
 
 def _check_bytes(data: object) -> None:

@@ -8,11 +8,14 @@ Python bindings (``/work/shared/peers/dynamo_radix.py``; ``pip install
 ai-dynamo-runtime==1.6.1``); if it cannot be loaded we say so and report ours.
 
 What each side pays inside the timed loop:
-  ours    PrefixIndex.apply_bytes on msgpack bytes encoded up front (our wire,
-          token ids included, as our ranks send them): decode_view (every field
+  ours    the live event route, ``EventFeed.ingest``, on msgpack bytes encoded
+          up front (our wire, token ids included, as our ranks send them) from
+          in-memory ranks: the batch number checked, decode_view (every field
           checked, as decode_batch checks it; token ids as non-negative ints,
-          then dropped) and the apply; beside it
-          decode_batch + apply (the token ids kept as a list), the parts alone,
+          then dropped), the block store's apply, the counters and the event
+          log; beside it every batch arriving twice (with the serve reply and
+          pushed: the second is dropped by number, undecoded), decode_batch +
+          SequencedIndex.apply (the token ids kept as a list), the parts alone,
           decode_view alone (what any index behind this decoder could reach at
           most), and the rate with empty token_ids;
   dynamo  its JSON event parse and apply (bytes encoded up front; Dynamo's
@@ -48,8 +51,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvledger.router.index import PrefixIndex  # noqa: E402
+from kvledger.router.feed import EventFeed  # noqa: E402
+from kvledger.router.groups import WindowedIndex  # noqa: E402
+from kvledger.router.numbering import ApplyStatus, SequencedIndex  # noqa: E402
 from kvledger.router.probe import match_prefix  # noqa: E402
+from kvledger.router.rank_client import RankClient  # noqa: E402
 from kvledger.worker.wire.events import (BlockRemoved, BlockStored, EventBatch, decode_batch, decode_view,  # noqa: E402
                                          encode_batch)
 
@@ -168,21 +174,45 @@ def _rate(n: int, run: Callable[[], object], repeats: int = REPEATS) -> float:
     return _rates(n, [run], repeats)[0]
 
 
-def our_applier(ops: list[Op], per_batch: int, token_ids: bool = True,
-                strict: bool = False) -> tuple[Callable[[], None], list[PrefixIndex]]:
-    """A run of decode + apply (``apply_bytes``; ``strict``: ``decode_batch`` + ``apply``) building a fresh index
-    from the stream, and the list that holds the index it built last."""
+class MemoryRanks:
+    """Ranks that are always live and whose batches arrive in order: the ``RankSet`` the feed reads here."""
+
+    def __init__(self, ranks: int) -> None:
+        self._live = list(range(ranks))
+
+    def live(self) -> list[int]:
+        return self._live
+
+    def client(self, rank: int) -> RankClient:
+        raise AssertionError(f"rank {rank}: the bench's batches arrive in order, so nothing is fetched")
+
+
+def live_feed(ranks: int) -> EventFeed:
+    """The router's ``EventFeed`` as ``RouterService`` builds it (default log size and rate window)."""
+    return EventFeed(MemoryRanks(ranks), BLOCK, 10_000, 10.0, time.monotonic, lambda rank: None)
+
+
+def our_applier(ops: list[Op], per_batch: int, token_ids: bool = True, strict: bool = False,
+                twice: bool = False) -> tuple[Callable[[], None], list[SequencedIndex]]:
+    """A run of the live route (``EventFeed.ingest``; ``twice``: each batch twice, as the serve reply and the push
+    bring it; ``strict``: ``decode_batch`` + ``SequencedIndex.apply``) building a fresh index from the stream, and
+    the list that holds the index it built last."""
     wire = our_wire(ops, per_batch, token_ids)
-    built: list[PrefixIndex] = []
+    ranks = 1 + max(rank for rank, _, _ in wire)
+    built: list[SequencedIndex] = []
 
     def decode_and_apply() -> None:
-        index = PrefixIndex(BLOCK)
-        apply = index.apply_bytes
-        for rank, seq, data in wire:
-            if strict:
+        if strict:
+            index = SequencedIndex(WindowedIndex(BLOCK))
+            for rank, seq, data in wire:
                 index.apply(rank, seq, decode_batch(data))
-            else:
-                apply(rank, seq, data)
+        else:
+            feed = live_feed(ranks)
+            ingest, index = feed.ingest, feed.index
+            for rank, seq, data in wire:
+                ingest(rank, seq, data)
+                if twice and seq:   # a second batch 0 would read as a restart
+                    ingest(rank, seq, data)
         assert index.stats.batches_applied == len(wire), index.stats
         built[:] = [index]
 
@@ -190,7 +220,7 @@ def our_applier(ops: list[Op], per_batch: int, token_ids: bool = True,
 
 
 def view_decoder(ops: list[Op]) -> Callable[[], None]:
-    """A run of ``decode_view`` alone over the stream (16 events/batch): what ``apply_bytes`` pays before the
+    """A run of ``decode_view`` alone over the stream (16 events/batch): what the live route pays before the
     index does anything, so the most any index behind this decoder could reach."""
     wire = our_wire(ops, 16)
 
@@ -202,26 +232,33 @@ def view_decoder(ops: list[Op]) -> Callable[[], None]:
 
 
 def run_ours(ops: list[Op], per_batch: int, token_ids: bool = True, repeats: int = REPEATS,
-             strict: bool = False) -> tuple[float, PrefixIndex]:
+             strict: bool = False, twice: bool = False) -> tuple[float, SequencedIndex]:
     """Events/s of ``our_applier``'s run, and the index."""
-    run, built = our_applier(ops, per_batch, token_ids, strict)
+    run, built = our_applier(ops, per_batch, token_ids, strict, twice)
     return _rate(len(ops), run, repeats), built[0]
 
 
-def run_ours_parts(ops: list[Op]) -> tuple[float, float]:
-    """Events/s of ``decode_batch`` alone and of ``PrefixIndex.apply`` (validating) alone, 16 events/batch."""
+def run_ours_parts(ops: list[Op]) -> tuple[float, float, float]:
+    """Events/s of ``decode_view`` + ``SequencedIndex.ingest``'s part (the route without the feed's lock, counters
+    and log), of ``decode_batch`` alone, and of the block store's ``apply`` alone on decoded batches, 16
+    events/batch."""
     wire = our_wire(ops, 16)
     batches: list[EventBatch] = []
+
+    def sequenced() -> None:
+        index = SequencedIndex(WindowedIndex(BLOCK))
+        for rank, seq, data in wire:
+            assert index.ingest(rank, seq, data)[0].status is ApplyStatus.APPLIED
 
     def decode_all() -> None:
         batches[:] = [decode_batch(data) for _, _, data in wire]
 
     def apply_decoded() -> None:
-        index = PrefixIndex(BLOCK)
-        for (rank, seq, _), batch in zip(wire, batches):
-            index.apply(rank, seq, batch)
+        store = WindowedIndex(BLOCK)
+        for (rank, _, _), batch in zip(wire, batches):
+            store.apply(rank, batch.events)
 
-    return _rate(len(ops), decode_all), _rate(len(ops), apply_decoded)
+    return _rate(len(ops), sequenced), _rate(len(ops), decode_all), _rate(len(ops), apply_decoded)
 
 
 def dynamo_payloads(ops: list[Op]) -> list[tuple[int, bytes]]:
@@ -320,22 +357,26 @@ def bench(ranks: int, events: int, queries: int, seed: int, peer_ok: bool) -> No
     else:
         (ours,) = _rates(len(ops), [our_run])
     index = built[0]
+    store = index.store
     strict, _ = run_ours(ops, 16, repeats=1, strict=True)
     single, _ = run_ours(ops, 1, repeats=1)
+    twice, _ = run_ours(ops, 16, repeats=1, twice=True)
     bare, _ = run_ours(ops, 16, token_ids=False, repeats=1)
-    decode_only, apply_only = run_ours_parts(ops)
+    sequenced, decode_only, apply_only = run_ours_parts(ops)
     qdocs = [rng.choices(range(DOCS), [1.0 / (k + 1) for k in range(DOCS)])[0] for _ in range(queries)]
-    sides = [(lambda hs: match_prefix(index, hs), [corpus.hashes[d][:QUERY_BLOCKS] for d in qdocs])]
+    sides = [(lambda hs: match_prefix(store, hs), [corpus.hashes[d][:QUERY_BLOCKS] for d in qdocs])]
     if peer_ok:
         tree = trees[0]
         sides.append((lambda ts: tree.find_matches(ts).scores, [corpus.tokens_hashes[d][:QUERY_BLOCKS] for d in qdocs]))
     found = latencies(sides)
     p50, p99 = found[0]
-    print(f"ours    apply: {ours:>9,.0f} events/s  (apply_bytes: msgpack decode_view + apply, 16 events/batch; "
-          f"{single:,.0f} at 1/batch)")
-    print(f"          decode_batch + apply (every token id decoded and checked) {strict:,.0f}/s; decode_batch "
-          f"alone {decode_only:,.0f}/s, PrefixIndex.apply alone {apply_only:,.0f}/s; without token_ids on the "
-          f"wire {bare:,.0f}/s")
+    print(f"ours    apply: {ours:>9,.0f} events/s  (the live route, EventFeed.ingest: number, msgpack decode_view, "
+          f"apply, counters, log; 16 events/batch; {single:,.0f} at 1/batch)")
+    print(f"          every batch twice (serve reply and push; the second dropped undecoded) {twice:,.0f}/s; "
+          f"SequencedIndex.ingest alone (no lock, counters or log) {sequenced:,.0f}/s")
+    print(f"          decode_batch + SequencedIndex.apply (every token id decoded and checked) {strict:,.0f}/s; "
+          f"decode_batch alone {decode_only:,.0f}/s, the store's apply alone {apply_only:,.0f}/s; without "
+          f"token_ids on the wire {bare:,.0f}/s")
     print(f"ours    find-matches ({QUERY_BLOCKS} blocks): p50 {p50:7.1f} us  p99 {p99:7.1f} us  "
           f"({index.num_blocks()} hashes indexed)")
     if not peer_ok:
@@ -345,12 +386,12 @@ def bench(ranks: int, events: int, queries: int, seed: int, peer_ok: bool) -> No
           f"{dynamo_adapter_rate(ops):,.0f} through the adapter, json.dumps included)")
     print(f"dynamo  find-matches ({QUERY_BLOCKS} blocks): p50 {d50:7.1f} us  p99 {d99:7.1f} us")
     print(f"goal  events applied, decode included, ours/dynamo: {_verdict(ours / d_raw, GOAL_APPLY, True)}; "
-          f"decode_batch + apply {strict / d_raw:.2f}, index alone {apply_only / d_raw:.2f}")
+          f"decode_batch + apply {strict / d_raw:.2f}, store alone {apply_only / d_raw:.2f}")
     print(f"      decode_view alone (no index) {view_only:,.0f}/s: {view_only / d_raw:.2f} of dynamo's whole apply, "
           f"the ceiling of any index behind this decoder")
     print(f"goal  find-matches p50, ours/dynamo: {_verdict(p50 / d50, GOAL_FIND, False)}")
     print(f"goal  find-matches p99, ours/dynamo: {_verdict(p99 / d99, GOAL_FIND, False)}")
-    agree = sum({r: m.matched_blocks for r, m in match_prefix(index, corpus.hashes[d][:QUERY_BLOCKS]).items()}
+    agree = sum({r: m.matched_blocks for r, m in match_prefix(store, corpus.hashes[d][:QUERY_BLOCKS]).items()}
                 == _dynamo_scores(tree, corpus.tokens_hashes[d][:QUERY_BLOCKS]) for d in range(DOCS))
     print(f"same matches as dynamo on {agree}/{DOCS} documents")
 
@@ -427,14 +468,15 @@ def scale_point(side: str, blocks: int, ranks: int, queries: int, seed: int) -> 
         del ops
         before = _rss()
         t0 = time.perf_counter()
-        index = PrefixIndex(BLOCK)
+        feed = live_feed(ranks)
         for rank, seq, data in wire:
-            index.apply_bytes(rank, seq, data)
+            feed.ingest(rank, seq, data)
         took = time.perf_counter() - t0
         del wire
         after = _rss()
-        distinct = index.num_blocks()
-        ((p50, p99),) = latencies([(lambda hs: match_prefix(index, hs), qs)])
+        store = feed.index.store
+        distinct = store.num_blocks()
+        ((p50, p99),) = latencies([(lambda hs: match_prefix(store, hs), qs)])
     else:
         import dynamo._core as core
         payloads = dynamo_payloads(ops)

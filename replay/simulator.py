@@ -1,8 +1,8 @@
 """A discrete-event replay of a trace through the real router and real (metadata-only) ledgers.
 
 Per rank: one ``KVCacheManager`` (``materialize=False``), an ``EventPublisher``
-and a FIFO queue. The router is the real one: a ``PrefixIndex`` fed only by the
-ranks' published batches (``apply_bytes`` after every ledger operation, so the
+and a FIFO queue. The router is the real one: a ``SequencedIndex`` fed only by the
+ranks' published batches (``ingest`` after every ledger operation, so the
 index sees each change as soon as the rank makes it), ``match_prefix`` to probe,
 and a policy from ``make_policy``.
 
@@ -55,8 +55,9 @@ import torch
 
 from kvledger.coordinator.migration import migrate_prefix
 from kvledger.replay.trace import BlockChains, Trace, TraceRequest, request_tokens
-from kvledger.router.index import PrefixIndex
+from kvledger.router.groups import WindowedIndex
 from kvledger.router.load import Dispatch, LoadAccount, ReportedQueue
+from kvledger.router.numbering import SequencedIndex
 from kvledger.router.policies import RouteRequest, RoutingPolicy, make_policy
 from kvledger.router.policies.base import check_nonneg_numbers
 from kvledger.router.probe import PrefixMatch, match_prefix
@@ -226,7 +227,7 @@ class _Replica:
 
     __slots__ = ("index", "policy", "account", "step")
 
-    def __init__(self, index: PrefixIndex, policy: RoutingPolicy) -> None:
+    def __init__(self, index: SequencedIndex, policy: RoutingPolicy) -> None:
         self.index, self.policy = index, policy
         self.account = LoadAccount()
         self.step = RouteStep(policy, self.account)
@@ -311,11 +312,11 @@ class Simulator:
         self.prefill_s = c.prefill_s_per_token
         self.onboard_s = c.onboard_s_per_block(T)
         self.migrate_s = c.migrate_s_per_block(T)
-        self.index = PrefixIndex(T)
+        self.index = SequencedIndex(WindowedIndex(T))
         """The ranks' ledgers as they are now (batches applied at once): what precision is measured against."""
         # Fed the same batches at once, a replica's index would equal this one: it is shared then.
         self.lagged = config.event_lag_s > 0
-        self.replicas = [_Replica(PrefixIndex(T) if self.lagged else self.index,
+        self.replicas = [_Replica(SequencedIndex(WindowedIndex(T)) if self.lagged else self.index,
                                   make_policy(policy, seed=config.seed, **options))
                          for _ in range(config.routers)]
         self._rng = np.random.default_rng(config.seed)
@@ -339,7 +340,7 @@ class Simulator:
     def _publish(self, rank: _Rank) -> None:
         batch = rank.pub.poll()
         if batch is not None:
-            res = self.index.apply_bytes(rank.rank, batch.seq, batch.data)
+            res, _ = self.index.ingest(rank.rank, batch.seq, batch.data)
             assert res.applied, f"rank {rank.rank} batch {batch.seq}: {res.status} {res.reason}"
             if self.lagged:
                 self._deliveries.append((self.now + self.config.event_lag_s, rank.rank, batch.seq, batch.data))
@@ -350,7 +351,7 @@ class Simulator:
         while due and due[0][0] <= self.now:
             _, r, seq, data = due.popleft()
             for replica in self.replicas:
-                res = replica.index.apply_bytes(r, seq, data)
+                res, _ = replica.index.ingest(r, seq, data)
                 assert res.applied, f"rank {r} batch {seq} at a replica: {res.status} {res.reason}"
 
     def _reported(self) -> dict[int, ReportedQueue] | None:
@@ -416,12 +417,12 @@ class Simulator:
             else self.replicas[0]
         if self.lagged:
             self._deliver()
-        matches: dict[int, PrefixMatch] = match_prefix(replica.index, hashes) if hashes else {}
+        matches: dict[int, PrefixMatch] = match_prefix(replica.index.store, hashes) if hashes else {}
         now = self.now
         decision = replica.step.decide(rr, matches, [r.rank for r in self.ranks],
                                        {r.rank: r.device_blocks for r in self.ranks}, now, record=True,
                                        reported=self._reported())
-        truth = matches if not self.lagged else match_prefix(self.index, hashes) if hashes else {}
+        truth = matches if not self.lagged else match_prefix(self.index.store, hashes) if hashes else {}
         longest = max((m.matched_blocks for m in truth.values()), default=0)
         if longest:
             self._held_prefix += 1

@@ -3,7 +3,10 @@
 Each record gets the next id, router-wide; a reader asks for the records from
 an id on (optionally one rank's) and gets the id to ask from next, so a
 follower never misses or repeats one while the log still holds it. The oldest
-records fall off when the log is full.
+records fall off when the log is full. A batch is logged whole, in one entry,
+and its records are made when someone reads them: the event route pays one
+append per batch. An own rank's batch is kept as its wire bytes (a reader
+decodes what it reads), so the route holds on to nothing it decoded.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvledger.worker.wire.events import KVEvent
+from kvledger.worker.wire.events import KVEvent, decode_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +38,27 @@ class EventRecord:
 _EVENT_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def event_to_dict(ev: KVEvent) -> dict:
-    """An event as JSON-ready fields, ``type`` first (the class name, as on the wire)."""
+@dataclass(slots=True)
+class _Entry:
+    """One logged batch of ``n`` records from id ``first``: its events (or ready dicts), or its wire bytes."""
+
+    first: int
+    rank: int
+    seq: int
+    ts: float
+    events: list | bytes
+    n: int
+
+    def records(self, skip: int) -> list[EventRecord]:
+        events = decode_batch(self.events).events if type(self.events) is bytes else self.events
+        return [EventRecord(i, self.rank, self.seq, self.ts, event_to_dict(ev))
+                for i, ev in enumerate(events[skip:], self.first + skip)]
+
+
+def event_to_dict(ev: KVEvent | dict) -> dict:
+    """An event as JSON-ready fields, ``type`` first (the class name, as on the wire); a dict is taken as it is."""
+    if type(ev) is dict:
+        return ev
     t = type(ev)
     names = _EVENT_FIELDS.get(t)
     if names is None:
@@ -53,7 +75,9 @@ class EventLog:
     def __init__(self, size: int) -> None:
         if type(size) is not int or size < 1:
             raise ValueError(f"size must be an int >= 1, got {size!r}")
-        self._log: deque[EventRecord] = deque(maxlen=size)
+        self._size = size
+        self._log: deque[_Entry] = deque()
+        self._held = 0   # records in ``_log``, the oldest of which may be past ``size`` (not read)
         self._next_id = 0
         self._changed = threading.Condition()
 
@@ -62,13 +86,25 @@ class EventLog:
         """The id the next record will get (= records logged so far)."""
         return self._next_id
 
-    def append(self, rank: int, seq: int, ts: float, events: list[dict]) -> None:
+    def append(self, rank: int, seq: int, ts: float, events: list[KVEvent | dict]) -> None:
+        """Log one batch's events (``event_to_dict`` takes each when it is read)."""
+        self._add(rank, seq, ts, events, len(events))
+
+    def append_wire(self, rank: int, seq: int, ts: float, data: bytes, n: int) -> None:
+        """Log a batch of ``n`` events by its wire bytes (``decode_batch`` reads them when they are read)."""
+        self._add(rank, seq, ts, data, n)
+
+    def _add(self, rank: int, seq: int, ts: float, events: list | bytes, n: int) -> None:
+        if not n:
+            return
         with self._changed:
-            for ev in events:
-                self._log.append(EventRecord(self._next_id, rank, seq, ts, ev))
-                self._next_id += 1
-            if events:
-                self._changed.notify_all()
+            log = self._log
+            log.append(_Entry(self._next_id, rank, seq, ts, events, n))
+            self._next_id += n
+            self._held += n
+            while self._held - log[0].n >= self._size:
+                self._held -= log.popleft().n
+            self._changed.notify_all()
 
     def read(self, since: int = 0, rank: int | None = None, limit: int = 1000) -> tuple[list[EventRecord], int]:
         """Records with ``id >= since`` (of ``rank`` only, if given), at most ``limit``; and the id to ask from
@@ -97,12 +133,21 @@ class EventLog:
         log = self._log
         if since >= self._next_id or not log:
             return [], since
+        start = max(since, self._next_id - self._size)   # the oldest record still held
+        back = 0   # entries after the one holding ``start``, counted from the end: followers read near it
+        for entry in reversed(log):
+            if entry.first <= start:
+                break
+            back += 1
         out: list[EventRecord] = []
         nxt = since
-        for rec in itertools.islice(log, max(0, since - log[0].id), None):
-            nxt = rec.id + 1
-            if rank is None or rec.rank == rank:
-                out.append(rec)
-                if len(out) >= limit:
-                    break
+        for entry in itertools.islice(log, max(0, len(log) - 1 - back), None):
+            if rank is not None and entry.rank != rank:
+                nxt = entry.first + entry.n
+                continue
+            recs = entry.records(max(0, start - entry.first))[:limit - len(out)]
+            out += recs
+            nxt = recs[-1].id + 1
+            if len(out) >= limit:
+                break
         return out, nxt

@@ -1,9 +1,12 @@
 """The router's event feed: every rank's numbered batches into the global index, gaps closed, restarts resynced.
 
-``EventFeed`` owns the ``PrefixIndex`` and the ``EventLog`` monitors read. A
-batch pushed by a rank (``ingest``) is applied if it is the next one; on a gap
-the feed replays the rank from where it lost track, on a restart (or when
-the rank's replay buffer no longer reaches back) it loads the rank's snapshot.
+``EventFeed`` owns the index (a ``SequencedIndex``: the numbering in front of
+the block store) and the ``EventLog`` monitors read. Every batch of an own rank
+takes one route, ``ingest``, however it came (with the serve reply, pushed,
+or pulled to close a gap): its number is checked before anything else, so a
+duplicate is dropped undecoded, and the next batch is decoded once and applied.
+On a gap the feed replays the rank from where it lost track, on a restart (or
+when the rank's replay buffer no longer reaches back) it loads its snapshot.
 A rank lost on any call leaves the index at once (``remove_rank``), and the
 owner is told (``on_removed``) so its own account of the rank goes too.
 Foreign engines (real vLLMs) feed the same index through their ZMQ publisher
@@ -25,15 +28,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvledger.router.event_log import EventLog, EventRecord, event_to_dict
+from kvledger.router.event_log import EventLog, EventRecord
 from kvledger.router.foreign import ForeignFeed
-from kvledger.router.index import ApplyResult, ApplyStatus, BlockSizeError, PrefixIndex
+from kvledger.router.groups import WindowedIndex
+from kvledger.router.index import BlockSizeError
+from kvledger.router.numbering import ApplyResult, ApplyStatus, SequencedIndex
 from kvledger.router.probe import PrefixMatch, match_all_sizes
 from kvledger.router.rank_client import RankDiedError, RankSet
 from kvledger.router.rejections import BLOCK_SIZE, INVALID, MALFORMED, Rejections
 from kvledger.router.stats import RateMeter
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot
-from kvledger.worker.wire.events import EventBatch, EventDecodeError, decode_batch
+from kvledger.worker.wire.events import BatchView, EventBatch, EventDecodeError, decode_view
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ class EventFeed:
     def __init__(self, ranks: RankSet, tokens_per_block: int, log_size: int, rate_window_s: float,
                  clock: Callable[[], float], on_removed: Callable[[int], None]) -> None:
         self.ranks = ranks
-        self.index = PrefixIndex(tokens_per_block)
+        self.index = SequencedIndex(WindowedIndex(tokens_per_block))
         self.log = EventLog(log_size)
         self.lock = threading.Lock()
         self.ranks_removed = 0
@@ -91,16 +96,11 @@ class EventFeed:
         Malformed bytes raise ``EventDecodeError`` (a ``ValueError``) and change nothing; batches of a rank
         reported down are dropped (``sync`` snapshots it when it is back).
         """
-        try:
-            batch = decode_batch(data)
-        except EventDecodeError as e:
-            self.rejections.add(rank, MALFORMED, f"batch {seq}: {e}")
-            raise
         if rank not in self.ranks.live():   # a late push from a rank already dropped: it rejoins by snapshot
             return ApplyResult(ApplyStatus.SNAPSHOT, 0, f"rank {rank} is down")
         with self._rank_lock(rank):
             try:
-                res = self._apply(rank, seq, batch)
+                res = self._take(rank, seq, data)
                 if res.status is ApplyStatus.REPLAY:
                     res = self._catch_up(rank, res.next_seq)
                 elif res.status is ApplyStatus.SNAPSHOT:
@@ -167,16 +167,20 @@ class EventFeed:
             self.ingest(rank, batch.seq, batch.data)
 
     def _rank_lock(self, rank: int) -> threading.Lock:
-        with self._rank_locks_guard:
-            lock = self._rank_locks.get(rank)
-            if lock is None:
-                lock = self._rank_locks[rank] = threading.Lock()
-            return lock
+        lock = self._rank_locks.get(rank)   # a dict read is atomic: the guard is for making one only
+        if lock is None:
+            with self._rank_locks_guard:
+                lock = self._rank_locks.setdefault(rank, threading.Lock())
+        return lock
 
-    def _apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+    def _take(self, rank: int, seq: int, data: bytes) -> ApplyResult:
+        """The one route of an own rank's batch into the index (see the module docstring)."""
         with self.lock:
             try:
-                res = self.index.apply(rank, seq, batch)
+                res, batch = self.index.ingest(rank, seq, data)
+            except EventDecodeError as e:
+                self.rejections.add(rank, MALFORMED, f"batch {seq}: {e}")
+                raise
             except BlockSizeError as e:
                 self.rejections.add(rank, BLOCK_SIZE, f"batch {seq}: {e}")
                 raise
@@ -185,15 +189,19 @@ class EventFeed:
                 raise
             if res.status is ApplyStatus.APPLIED:
                 self._known.add(rank)
-                self._applied(rank, seq, batch)
+                self._applied(rank, seq, batch, data)
         return res
 
-    def _applied(self, rank: int, seq: int, batch: EventBatch) -> None:
-        """Count and log an applied batch (under ``lock``): own ranks' and foreign engines' alike."""
+    def _applied(self, rank: int, seq: int, batch: EventBatch | BatchView, data: bytes | None = None) -> None:
+        """Count and log an applied batch (under ``lock``): own ranks' by their wire bytes ``data``, foreign
+        engines' as translated."""
         c = self._counter(rank)
         c.batches += 1
         c.events.add(len(batch.events))
-        self.log.append(rank, seq, batch.ts, [event_to_dict(e) for e in batch.events])
+        if data is None:
+            self.log.append(rank, seq, batch.ts, batch.events)
+        else:
+            self.log.append_wire(rank, seq, batch.ts, data, len(batch.events))
 
     def _catch_up(self, rank: int, from_seq: int) -> ApplyResult:
         batches = self.ranks.client(rank).replay_events(from_seq)
@@ -202,7 +210,7 @@ class EventFeed:
             return self._resync_locked(rank)
         res = ApplyResult(ApplyStatus.APPLIED, from_seq)
         for b in batches:
-            res = self._apply(rank, b.seq, decode_batch(b.data))
+            res = self._take(rank, b.seq, b.data)
             if res.status in (ApplyStatus.SNAPSHOT, ApplyStatus.REPLAY):
                 return self._resync_locked(rank)
         return res
@@ -213,14 +221,13 @@ class EventFeed:
         return ApplyResult(ApplyStatus.SNAPSHOT, snap.next_seq, "snapshot loaded")
 
     def _load_snapshot(self, rank: int, pending: PublishedBatch | None, snap: Snapshot) -> None:
-        pending_events = decode_batch(pending.data) if pending is not None else None
+        pending_events = decode_view(pending.data) if pending is not None else None   # counted and logged
         with self.lock:
             self.index.load_snapshot(rank, snap.blocks, snap.next_seq)
             self._known.add(rank)
             if pending_events is not None:
                 self._counter(rank).events.add(len(pending_events.events))
-                self.log.append(rank, pending.seq, pending_events.ts,
-                                [event_to_dict(e) for e in pending_events.events])
+                self.log.append_wire(rank, pending.seq, pending_events.ts, pending.data, len(pending_events.events))
             self.log.append(rank, -1, time.time(), [{"type": "Snapshot", "blocks": len(snap.blocks),
                                                      "next_seq": snap.next_seq}])
 
@@ -266,7 +273,7 @@ class EventFeed:
         """Every rank's longest held prefix of prompt ``tokens`` at its block size (ranks holding none are
         absent); ``hashes`` are the prompt's at the index's default size."""
         with self.lock:
-            return match_all_sizes(self.index, tokens, hashes, lora_id=lora_id, cache_salt=cache_salt)
+            return match_all_sizes(self.index.store, tokens, hashes, lora_id=lora_id, cache_salt=cache_salt)
 
     def counters(self, rank: int) -> tuple[int, float, int]:
         """``rank``'s events applied (total and per second) and batches applied."""
@@ -311,7 +318,7 @@ class EventFeed:
             if block_size is None:
                 self._foreign_feed.learn_block_size(rank)
             else:
-                self.index.set_block_size(rank, block_size)
+                self.index.store.set_block_size(rank, block_size)
             sub = VllmEventSubscriber(self._foreign_feed, rank, endpoint, replay_endpoint, topic, lock=self.lock,
                                       bind=bind)
             thread = threading.Thread(target=sub.run, name=f"kvledger-vllm-{rank}", daemon=True)

@@ -7,7 +7,7 @@ router probes with. This feed re-hashes each stored block from its
 map from vLLM hash to ours with a count of stores, so a later removal or tier
 move by vLLM hash reaches the right entry of the index.
 
-Each engine is indexed at its own block size (``PrefixIndex.set_block_size``),
+Each engine is indexed at its own block size (``BlockIndex.set_block_size``),
 told by its server or, with ``learn_block_size``, taken from its first store.
 A salted prompt's blocks are keyed by its salt: vLLM publishes the salt only
 among the first block's ``extra_keys`` (after the LoRA name, if any), so each
@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvledger.router.index import ApplyResult, ApplyStatus, BlockSizeError, PrefixIndex
+from kvledger.router.index import BlockSizeError
+from kvledger.router.numbering import ApplyResult, ApplyStatus, SequencedIndex
 from kvledger.router.rejections import UNKNOWN_HASH, UNKNOWN_PARENT, Rejections
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
 from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
@@ -74,7 +75,7 @@ class ForeignFeed:
 
     __slots__ = ("_index", "_maps", "_learning", "stats", "rejections", "_on_applied")
 
-    def __init__(self, index: PrefixIndex, rejections: Rejections | None = None,
+    def __init__(self, index: SequencedIndex, rejections: Rejections | None = None,
                  on_applied: Callable[[int, int, EventBatch], None] | None = None) -> None:
         """``on_applied(rank, seq, batch)`` hears every applied batch, in our hashes (the router logs it)."""
         self._index = index
@@ -98,10 +99,8 @@ class ForeignFeed:
         if not isinstance(batch, EventBatch):
             raise TypeError(f"batch must be a kvledger.worker.wire.events.EventBatch, got {type(batch).__name__}")
         index = self._index
-        if seq != index.next_seq(rank) or index.awaiting_snapshot(rank):
-            # Numbering alone decides: gap, duplicate or restart. Nothing to translate.
-            result = index.apply(rank, seq, EventBatch(batch.ts, [], batch.rank))
-        else:
+        result = index.check(rank, seq)   # a gap, duplicate or restart needs nothing translated
+        if result is None:
             if type(batch.events) is not list:
                 raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
             for i, ev in enumerate(batch.events):
@@ -109,7 +108,7 @@ class ForeignFeed:
             if rank in self._learning:
                 sizes = [ev.block_size for ev in batch.events if type(ev) is BlockStored]
                 if sizes:
-                    index.set_block_size(rank, sizes[0])
+                    index.store.set_block_size(rank, sizes[0])
                     self._learning.discard(rank)
             overlay = _Overlay(self._maps.get(rank, {}))
             tpb = index.block_size(rank)

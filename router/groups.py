@@ -1,24 +1,27 @@
-"""The KV cache groups of ranks whose models have attention windows (VSWA), and the safe-prefix rule over them.
+"""The block store for models with attention windows (VSWA): ``WindowedIndex``, and the safe-prefix rule.
 
-The index's flat maps hold each rank's group-0 blocks, as for any model. A
-rank whose events name another group (``group_idx > 0``) or a sliding window
-is *windowed*: its other groups' blocks are kept here, with every group's
-window as its stored events say (``kv_cache_spec_kind``,
+The flat maps (``PrefixIndex``) hold each rank's group-0 blocks, as for any
+model. A rank whose events name another group (``group_idx > 0``) or a sliding
+window is *windowed*: its other groups' blocks are kept in ``RankGroups``, with
+every group's window as its stored events say (``kv_cache_spec_kind``,
 ``kv_cache_spec_sliding_window``, as vLLM publishes them), and a probe answers
 for it by the rule its ledger admits by: a prefix of ``m`` blocks counts only
 if every group holds the blocks that the query at position ``m * block_size``
 reads, all ``m`` under full attention, only those of the last ``window``
 tokens under a sliding window (a query at ``p`` reads the keys ``> p - window``).
-A group the rank never described counts as full attention.
+A group the rank never described counts as full attention. Ranks without
+windows pay one check per event and per probe for this.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvledger.router.index import PrefixIndex, T
+from kvledger.router.refs import DEV_MASK, held_on, tier_unit
+from kvledger.router.snapshot import SnapshotEntry, group0_refs, read_snapshot
+from kvledger.worker.wire.events import EVENT_CLASS, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheCreated
 from kvledger.worker.wire.windows import first_needed_block
-
-_DEV_MASK = (1 << 32) - 1   # the index's packing: device refs in the low 32 bits, host refs above
 
 
 def is_windowed(group_idx: int, kind: str | None) -> bool:
@@ -51,7 +54,7 @@ class RankGroups:
         """Drop one ref of ``h`` on ``unit``'s tier; ``False`` (changing nothing) when the group holds none there."""
         refs = self.held(group_idx)
         v = refs.get(h, 0)
-        if not (v >> 32 if unit > _DEV_MASK else v & _DEV_MASK):
+        if not held_on(v, unit):
             return False
         if v == unit:
             del refs[h]
@@ -83,6 +86,139 @@ class RankGroups:
         host = 0
         for j in range(best):   # a block some group must onboard before it can be read
             h = hashes[j]
-            host += any(j >= first_needed_block(w, best * block_size, block_size) and not refs[h] & _DEV_MASK
+            host += any(j >= first_needed_block(w, best * block_size, block_size) and not refs[h] & DEV_MASK
                         for refs, w in groups)
         return best, host
+
+
+_CLEARS = (AllBlocksCleared, KVCacheCreated)
+
+
+def _shows_windows(ev: object) -> bool:
+    """Whether an event names a group past 0 or a sliding window (clears name neither)."""
+    t = EVENT_CLASS[type(ev)]
+    if t is BlockStored:
+        return is_windowed(ev.group_idx, ev.kv_cache_spec_kind)
+    return t not in _CLEARS and ev.group_idx != 0
+
+
+class WindowedIndex(PrefixIndex):
+    """``PrefixIndex`` for ranks of any model: the groups past 0 of windowed ranks are kept beside the flat maps,
+    and a probe answers for those ranks by the safe-prefix rule (see the module docstring)."""
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, tokens_per_block: int) -> None:
+        super().__init__(tokens_per_block)
+        self._groups: dict[int, RankGroups] = {}   # windowed rank -> its groups
+
+    def apply(self, rank: int, events: Sequence[object]) -> str | None:
+        """``PrefixIndex.apply``; a windowed rank's events of groups past 0 are applied to its groups, with the
+        rest, all or none."""
+        groups = self._groups.get(rank)
+        if groups is None and not any(map(_shows_windows, events)):
+            return super().apply(rank, events)
+        self._check_sizes(rank, events)
+        if groups is None:
+            groups = self._groups[rank] = RankGroups()
+        undo: list[tuple[int, int, int] | dict[int, dict[int, int]]] = []   # (group, hash, ±unit), or a clear
+        flat = []
+        for i, ev in enumerate(events):
+            t = EVENT_CLASS[type(ev)]
+            if t is AllBlocksCleared or t is KVCacheCreated:
+                undo.append(groups.refs)
+                groups.clear()
+                flat.append(ev)
+                continue
+            g = ev.group_idx
+            if t is BlockStored:
+                groups.describe(g, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
+            if not g:
+                flat.append(ev)
+            elif not self._apply_grouped(groups, t, ev, undo):
+                _undo(groups, undo)
+                return f"events[{i}] removes or moves a block that group {g} does not hold: the index has diverged"
+        diverged = super().apply(rank, flat)
+        if diverged is not None:
+            _undo(groups, undo)
+        return diverged
+
+    @staticmethod
+    def _apply_grouped(groups: RankGroups, t: type, ev: object, undo: list) -> bool:
+        """Apply an event of a group past 0, logging each change in ``undo``; ``False`` where the group does not
+        hold what the event removes or moves (changing nothing more)."""
+        g = ev.group_idx
+        if t is BlockStored or t is BlockRemoved:
+            unit = tier_unit(ev.medium)
+            for h in ev.block_hashes:
+                if t is BlockStored:
+                    groups.add(g, h, unit)
+                elif not groups.sub(g, h, unit):
+                    return False
+                undo.append((g, h, unit if t is BlockStored else -unit))
+            return True
+        if ev.old_medium is None or ev.new_medium is None or ev.old_medium == ev.new_medium:
+            return True   # a priority update: nothing to index
+        old, new = tier_unit(ev.old_medium), tier_unit(ev.new_medium)
+        if not groups.sub(g, ev.block_hash, old):
+            return False
+        groups.add(g, ev.block_hash, new)
+        undo.extend(((g, ev.block_hash, -old), (g, ev.block_hash, new)))
+        return True
+
+    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry]) -> None:
+        rows = read_snapshot(blocks)
+        self._load_refs(rank, group0_refs(rows))
+        windowed = [row for row in rows if is_windowed(row.group, row.kind)]
+        groups = self._groups.get(rank)
+        if groups is not None:
+            groups.clear()
+        elif windowed:
+            groups = self._groups[rank] = RankGroups()
+        for row in windowed:
+            groups.describe(row.group, row.kind, row.window)
+            if row.group:
+                groups.add(row.group, row.block_hash, row.unit)
+
+    def set_block_size(self, rank: int, block_size: int) -> None:
+        changed = block_size != self.block_size(rank)
+        super().set_block_size(rank, block_size)
+        groups = self._groups.get(rank)
+        if changed and groups is not None:
+            groups.clear()
+
+    def remove_rank(self, rank: int) -> None:
+        super().remove_rank(rank)
+        self._groups.pop(rank, None)
+
+    def match(self, hashes: Sequence[int], make: Callable[[int, int], T]) -> dict[int, T]:
+        return self._windowed_answer(hashes, super().match(hashes, make), make)
+
+    def longest_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
+        return self._windowed_answer(hashes, super().longest_prefixes(hashes), lambda b, h: (b, h))
+
+    def _windowed_answer(self, hashes: Sequence[int], out: dict[int, T], make: Callable[[int, int], T],
+                         ) -> dict[int, T]:
+        """``out`` with each windowed rank's match by the safe-prefix rule over its groups instead."""
+        if not hashes:
+            return out
+        for rank, groups in self._groups.items():
+            found = groups.match(self.held(rank), hashes, self.block_size(rank))
+            if found[0]:
+                out[rank] = make(*found)
+            else:
+                out.pop(rank, None)
+        return out
+
+
+def _undo(groups: RankGroups, undo: list) -> None:
+    """Undo a batch's changes to ``groups``, newest first."""
+    for change in reversed(undo):
+        if isinstance(change, dict):
+            groups.refs = change
+        else:
+            g, h, unit = change
+            if unit > 0:
+                groups.sub(g, h, unit)
+            else:
+                groups.add(g, h, -unit)

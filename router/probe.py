@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvledger.router.index import PrefixIndex
+from kvledger.router.index import BlockIndex
 from kvledger.worker.wire.block_key import MmKey, block_hashes
 
 
@@ -56,19 +56,19 @@ def prompt_hashes(tokens: Sequence[int], tokens_per_block: int, *, lora_id: int 
                         mm_keys=mm_keys, extra_ids=None if extra_ids is None else extra_ids[:-1])
 
 
-def match_prefix(index: PrefixIndex, hashes: Sequence[int], tokens_per_block: int | None = None,
+def match_prefix(index: BlockIndex, hashes: Sequence[int], tokens_per_block: int | None = None,
                  ) -> dict[int, PrefixMatch]:
     """Per rank holding at least the chain's first block: its match along the chain ``hashes`` (each the
     child of the one before, as ``prompt_hashes`` makes them; blocks of ``tokens_per_block`` tokens, the
     index's default when ``None``), keyed by rank (in no set order)."""
     tpb = index.tokens_per_block if tokens_per_block is None else tokens_per_block
-    found = index.chain_matches(hashes, _matcher(tpb))
+    found = index.match(hashes, _matcher(tpb))
     if index.other_block_sizes():   # a chain of one size names no block of another; this keeps it certain
         return {r: m for r, m in found.items() if index.block_size(r) == tpb}
     return found
 
 
-def match_all_sizes(index: PrefixIndex, tokens: Sequence[int], hashes: Sequence[int], *, lora_id: int | None = None,
+def match_all_sizes(index: BlockIndex, tokens: Sequence[int], hashes: Sequence[int], *, lora_id: int | None = None,
                     cache_salt: str | None = None) -> dict[int, PrefixMatch]:
     """Every rank's match for prompt ``tokens``, at whatever block size it is indexed.
 
@@ -84,7 +84,7 @@ def match_all_sizes(index: PrefixIndex, tokens: Sequence[int], hashes: Sequence[
     return dict(sorted(out.items()))
 
 
-def probe(index: PrefixIndex, tokens: Sequence[int], *, lora_id: int | None = None,
+def probe(index: BlockIndex, tokens: Sequence[int], *, lora_id: int | None = None,
           cache_salt: str | None = None, mm_keys: Sequence[MmKey] = (),
           extra_ids: Sequence[int] | None = None) -> dict[int, PrefixMatch]:
     """Matched tokens per rank for prompt ``tokens`` (ranks matching nothing are absent)."""

@@ -29,9 +29,9 @@ from kvledger.router.config import RouterConfig
 from kvledger.router.engine import Capability, Engine, Generated, Generation, cached_tokens_of
 from kvledger.router.engines import EngineCannotError, Engines
 from kvledger.router.feed import EventFeed
-from kvledger.router.index import PrefixIndex
 from kvledger.router.load import Dispatch, Ended, LoadAccount, ReportedQueue
 from kvledger.router.models import Models
+from kvledger.router.numbering import SequencedIndex
 from kvledger.router.openai_types import MAX_N
 from kvledger.router.policies import NoLiveRankError, RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch
@@ -82,8 +82,8 @@ class RouterService:
             raise
 
     @property
-    def index(self) -> PrefixIndex:
-        """The feed's ``PrefixIndex`` (read it under ``feed.lock``)."""
+    def index(self) -> SequencedIndex:
+        """The feed's ``SequencedIndex`` (read it under ``feed.lock``)."""
         return self.feed.index
 
     # ------------------------------------------------------------------ membership

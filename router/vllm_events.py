@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import zmq
 
 from kvledger.router.foreign import ForeignFeed
-from kvledger.router.index import ApplyResult, ApplyStatus, BlockSizeError
+from kvledger.router.index import BlockSizeError
+from kvledger.router.numbering import ApplyResult, ApplyStatus
 from kvledger.router.rejections import BLOCK_SIZE, INVALID, MALFORMED
 from kvledger.worker.wire.events import EventBatch, EventDecodeError, decode_batch
 

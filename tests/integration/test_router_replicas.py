@@ -23,8 +23,9 @@ from kvledger.coordinator.config import ClusterConfig
 from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.coordinator.router_actor import RouterActorConfig, router_name, start_routers
 from kvledger.router.config import RouterConfig
-from kvledger.router.index import ApplyStatus, PrefixIndex
+from kvledger.router.groups import WindowedIndex
 from kvledger.router.load import LoadAccount, ReportedQueue
+from kvledger.router.numbering import ApplyStatus, SequencedIndex
 from kvledger.router.probe import probe
 from kvledger.router.replica_sync import DispatchEvent
 from kvledger.router.service import RouterService
@@ -87,10 +88,10 @@ def test_a_rank_pushes_every_batch_to_every_attached_router_in_order():
     assert [b.data for b in got["a"]] == [b.data for b in got["b"]], "the same bytes to each router"
     assert gone == [1], "a receiver that is gone is detached at its first failed push; the others go on"
     for batches in got.values():
-        index = PrefixIndex(T)
-        assert index.apply_bytes(0, created.seq, created.data).status is ApplyStatus.APPLIED
-        assert all(index.apply_bytes(0, b.seq, b.data).status is ApplyStatus.APPLIED for b in batches)
-        assert probe(index, list(range(200, 200 + 3 * T)))[0].matched_tokens == 2 * T
+        index = SequencedIndex(WindowedIndex(T))
+        assert index.ingest(0, created.seq, created.data)[0].status is ApplyStatus.APPLIED
+        assert all(index.ingest(0, b.seq, b.data)[0].status is ApplyStatus.APPLIED for b in batches)
+        assert probe(index.store, list(range(200, 200 + 3 * T)))[0].matched_tokens == 2 * T
 
 
 def test_a_replica_counts_the_requests_it_was_told_of_and_the_ranks_report_of_them_once():

@@ -4,7 +4,7 @@ changing the index.
 Every case starts from a valid batch (both of vLLM's layouts: map and array events) and breaks it one way that
 no decoder may accept: its bytes cut short or followed by more, one field of one event replaced by a value of
 no field's type, an unknown event tag, or a batch of the wrong shape. The index is fed the bytes
-(``apply_bytes``) and must be exactly as it was.
+(``SequencedIndex.ingest``, the router's one event route) and must be exactly as it was.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.router.index import PrefixIndex
+from kvledger.router.groups import WindowedIndex
+from kvledger.router.numbering import SequencedIndex
 from kvledger.worker.wire.events import EventDecodeError, decode_batch
 
 T = 4
@@ -90,16 +91,16 @@ def malformed(draw: st.DrawFn) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def index() -> PrefixIndex:
-    ix = PrefixIndex(T)
-    assert ix.apply_bytes(0, 0, msgpack.packb([1.0, [stored([11, 12], list(range(8)), None)], 0])).applied
+def index() -> SequencedIndex:
+    ix = SequencedIndex(WindowedIndex(T))
+    assert ix.ingest(0, 0, msgpack.packb([1.0, [stored([11, 12], list(range(8)), None)], 0]))[0].applied
     return ix
 
 
 @settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=malformed())
-def test_every_malformed_batch_is_refused_and_changes_nothing(index: PrefixIndex, data: bytes) -> None:
-    before = (index.num_blocks(), index.next_seq(0), index.holders(11), index.holders(12))
+def test_every_malformed_batch_is_refused_and_changes_nothing(index: SequencedIndex, data: bytes) -> None:
+    before = (index.num_blocks(), index.next_seq(0), index.store.holders(11), index.store.holders(12))
     with pytest.raises(EventDecodeError):
-        index.apply_bytes(0, 1, data)
-    assert (index.num_blocks(), index.next_seq(0), index.holders(11), index.holders(12)) == before
+        index.ingest(0, 1, data)
+    assert (index.num_blocks(), index.next_seq(0), index.store.holders(11), index.store.holders(12)) == before

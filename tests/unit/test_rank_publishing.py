@@ -7,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from kvledger.router.index import ApplyStatus, PrefixIndex
+from kvledger.router.groups import WindowedIndex
+from kvledger.router.index import PrefixIndex
+from kvledger.router.numbering import ApplyStatus, SequencedIndex
 from kvledger.router.probe import probe
 from kvledger.worker.ledger import CacheConfig
 from kvledger.worker.rank.worker import RankWorker
@@ -48,7 +50,7 @@ def test_polls_replays_and_snapshots_share_one_numbering():
     pending, snap = w.event_snapshot()
     assert pending is None and snap.next_seq == 3 and len(snap.blocks) == 4
     index = PrefixIndex(T)
-    index.load_snapshot(0, snap.blocks, snap.next_seq)
+    index.load_snapshot(0, snap.blocks)
     assert probe(index, list(range(1, 14)))[0].matched_tokens == w.probe(list(range(1, 14))) == 12
 
 
@@ -78,10 +80,10 @@ def test_the_publisher_thread_pushes_every_batch_in_order():
     assert stored.wait(timeout=10), "the pushed batch never came"
     w.stop_publishing()
     assert [b.seq for b in got] == list(range(len(got)))
-    index = PrefixIndex(T)
+    index = SequencedIndex(WindowedIndex(T))
     for b in got:
-        assert index.apply_bytes(0, b.seq, b.data).status is ApplyStatus.APPLIED
-    assert probe(index, list(range(30, 50)))[0].matched_tokens == 16
+        assert index.ingest(0, b.seq, b.data)[0].status is ApplyStatus.APPLIED
+    assert probe(index.store, list(range(30, 50)))[0].matched_tokens == 16
     with pytest.raises(ValueError):
         w.start_publishing(sink, interval_s=0)
 

@@ -1,82 +1,61 @@
-"""The router's prefix index: refcounts, numbering (gap -> replay, restart -> snapshot), purge, atomic
-batches, tier moves, and the foreign (vLLM) hash mapping."""
+"""The router's block store: refcounts, snapshots, purge, atomic batches, tier moves, chains, window groups,
+and the foreign (vLLM) hash mapping; fed through the numbering (``test_router_numbering`` tests that part)."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from index_helpers import H, TPB, batch, ingest, make_index, removed, state, stored
+
 from kvledger.router.foreign import ForeignFeed
-from kvledger.router.index import ApplyStatus, PrefixIndex, SnapshotBlock
+from kvledger.router.numbering import ApplyStatus, SequencedIndex
 from kvledger.router.probe import match_prefix, prompt_hashes
+from kvledger.router.snapshot import SnapshotBlock
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
-from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
-                                         EventDecodeError, KVCacheCreated, encode_batch)
-
-TPB = 4
-H = [0x1000 + i for i in range(32)]   # stand-in chained hashes: the index treats hashes as opaque
-
-
-def stored(hashes, parent=None, medium="GPU"):
-    return BlockStored(list(hashes), parent, [7] * (TPB * len(hashes)), TPB, medium=medium)
-
-
-def removed(hashes, medium="GPU"):
-    return BlockRemoved(list(hashes), medium)
-
-
-def batch(*events, rank=None):
-    return EventBatch(0.0, list(events), rank)
-
-
-def state(index: PrefixIndex, ranks=range(4), hashes=H):
-    """Everything observable: numbering, waiting flags, refs per (rank, hash), holders per hash."""
-    return ({r: (index.next_seq(r), index.awaiting_snapshot(r)) for r in ranks},
-            {(r, h): index.refs(r, h) for r in ranks for h in hashes},
-            {h: index.holders(h) for h in hashes}, index.num_blocks())
-
+from kvledger.worker.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated
 
 @pytest.fixture
 def index():
-    return PrefixIndex(TPB)
+    return make_index()
 
 
 # --- refcounts --------------------------------------------------------------------------------
 
 def test_two_stores_one_removal_leave_the_block_held(index):
     assert index.apply(0, 0, batch(stored(H[:3]), stored(H[:1]))).applied
-    assert index.refs(0, H[0]) == (2, 0)
-    assert index.refs(0, H[1]) == (1, 0)
+    assert index.store.refs(0, H[0]) == (2, 0)
+    assert index.store.refs(0, H[1]) == (1, 0)
     assert index.apply(0, 1, batch(removed([H[0]]))).applied
-    assert index.refs(0, H[0]) == (1, 0)
-    assert index.holders(H[0]) == [0]
+    assert index.store.refs(0, H[0]) == (1, 0)
+    assert index.store.holders(H[0]) == [0]
     assert index.apply(0, 2, batch(removed([H[0]]))).applied
-    assert index.refs(0, H[0]) == (0, 0)
-    assert index.holders(H[0]) == []
+    assert index.store.refs(0, H[0]) == (0, 0)
+    assert index.store.holders(H[0]) == []
     assert index.num_blocks(0) == 2
 
 
 def test_refcounts_are_per_rank(index):
     index.apply(0, 0, batch(stored(H[:2])))
     index.apply(1, 0, batch(stored(H[:1])))
-    assert index.holders(H[0]) == [0, 1]
+    assert index.store.holders(H[0]) == [0, 1]
     index.apply(1, 1, batch(removed(H[:1])))
-    assert index.holders(H[0]) == [0]
+    assert index.store.holders(H[0]) == [0]
     assert index.num_blocks() == 2
 
 
 def test_tier_moves_and_priority_updates(index):
     index.apply(0, 0, batch(stored(H[:3])))
     index.apply(0, 1, batch(BlockUpdated(H[1], "GPU", "CPU", 35, 35)))
-    assert index.refs(0, H[1]) == (0, 1)
-    assert index.longest_prefixes(H[:3]) == {0: (3, 1)}
+    assert index.store.refs(0, H[1]) == (0, 1)
+    assert index.store.longest_prefixes(H[:3]) == {0: (3, 1)}
     index.apply(0, 2, batch(BlockUpdated(H[1], None, None, 35, 80)))      # priority only
-    assert index.refs(0, H[1]) == (0, 1)
+    assert index.store.refs(0, H[1]) == (0, 1)
     index.apply(0, 3, batch(BlockUpdated(H[1], "CPU", "GPU")))            # onboard
-    assert index.refs(0, H[1]) == (1, 0)
-    assert index.longest_prefixes(H[:3]) == {0: (3, 0)}
+    assert index.store.refs(0, H[1]) == (1, 0)
+    assert index.store.longest_prefixes(H[:3]) == {0: (3, 0)}
     index.apply(0, 4, batch(BlockUpdated(H[2], "GPU", "CPU"), removed([H[2]], "CPU")))
-    assert index.holders(H[2]) == []
+    assert index.store.holders(H[2]) == []
 
 
 def test_all_blocks_cleared_drops_only_that_rank(index):
@@ -84,72 +63,21 @@ def test_all_blocks_cleared_drops_only_that_rank(index):
     index.apply(1, 0, batch(stored(H[:3])))
     assert index.apply(0, 1, batch(AllBlocksCleared(), stored(H[5:6]))).applied
     assert index.num_blocks(0) == 1
-    assert index.holders(H[0]) == [1]
-
-
-# --- numbering --------------------------------------------------------------------------------
-
-def test_gap_asks_for_replay_and_applies_nothing(index):
-    index.apply(0, 0, batch(stored(H[:1])))
-    before = state(index)
-    r = index.apply(0, 2, batch(stored(H[1:2])))
-    assert (r.status, r.replay_from, r.next_seq) == (ApplyStatus.REPLAY, 1, 1)
-    assert state(index) == before
-    assert index.apply(0, 1, batch(stored(H[2:3]))).applied     # the replayed batch
-    assert index.apply(0, 2, batch(stored(H[1:2]))).applied
-    assert index.next_seq(0) == 3
-    assert index.stats.replays_requested == 1
-
-
-def test_first_batch_seen_late_asks_for_replay_from_zero(index):
-    r = index.apply(3, 5, batch(stored(H[:1])))
-    assert r.status is ApplyStatus.REPLAY and r.replay_from == 0
-
-
-def test_duplicate_is_ignored(index):
-    index.apply(0, 0, batch(stored(H[:1])))
-    index.apply(0, 1, batch(stored(H[1:2])))
-    before = state(index)
-    r = index.apply(0, 1, batch(stored(H[1:2])))
-    assert r.status is ApplyStatus.DUPLICATE and r.replay_from is None
-    assert state(index) == before
-
-
-@pytest.mark.parametrize("restart", ["renumbered", "created"])
-def test_restart_purges_the_rank_and_waits_for_a_snapshot(index, restart):
-    index.apply(0, 0, batch(KVCacheCreated({"GPU": 8}, TPB), stored(H[:3])))
-    index.apply(0, 1, batch(stored(H[3:4], parent=H[2])))
-    index.apply(1, 0, batch(stored(H[:2])))
-    r = (index.apply(0, 0, batch(KVCacheCreated({"GPU": 8}, TPB))) if restart == "renumbered"
-         else index.apply(0, 2, batch(KVCacheCreated({"GPU": 8}, TPB), stored(H[:1]))))
-    assert r.status is ApplyStatus.SNAPSHOT and r.next_seq == 0
-    assert index.num_blocks(0) == 0 and index.holders(H[0]) == [1]    # purged at once
-    assert index.awaiting_snapshot(0)
-    assert index.apply(0, 1, batch(stored(H[:1]))).status is ApplyStatus.SNAPSHOT   # still waiting
-    index.load_snapshot(0, [SnapshotBlock(H[0]), SnapshotBlock(H[1], "CPU")], next_seq=4)
-    assert not index.awaiting_snapshot(0)
-    assert index.refs(0, H[1]) == (0, 1)
-    assert index.apply(0, 4, batch(stored(H[2:3], parent=H[1]))).applied
-    assert index.longest_prefixes(H[:3]) == {0: (3, 1), 1: (2, 0)}
-
-
-def test_kv_cache_created_opens_a_fresh_rank(index):
-    assert index.apply(2, 0, batch(KVCacheCreated({"GPU": 8, "CPU": 4}, TPB), stored(H[:2]))).applied
-    assert index.num_blocks(2) == 2
+    assert index.store.holders(H[0]) == [1]
 
 
 def test_load_snapshot_counts_duplicates_and_replaces_holdings(index):
     index.apply(0, 0, batch(stored(H[:4])))
     index.load_snapshot(0, [SnapshotBlock(H[5]), SnapshotBlock(H[5])], next_seq=9)
-    assert index.refs(0, H[5]) == (2, 0)
-    assert index.holders(H[0]) == []
+    assert index.store.refs(0, H[5]) == (2, 0)
+    assert index.store.holders(H[0]) == []
     assert index.next_seq(0) == 9
 
 
 def test_load_snapshot_accepts_the_ledgers_snapshot_entries(index):
     from kvledger.worker.wire.batches import StoredBlock
     index.load_snapshot(1, [StoredBlock(H[0], None, [1] * TPB, "CPU", None, None, 35)], next_seq=0)
-    assert index.refs(1, H[0]) == (0, 1)
+    assert index.store.refs(1, H[0]) == (0, 1)
 
 
 @pytest.mark.parametrize("blocks, exc", [
@@ -172,13 +100,13 @@ def test_remove_rank_purges_at_once_and_forgets_numbering(index):
         index.apply(r, 0, batch(stored(H[:4])))
     index.apply(1, 1, batch(BlockUpdated(H[3], "GPU", "CPU")))
     index.remove_rank(1)
-    assert index.holders(H[0]) == [0, 2]
-    assert index.longest_prefixes(H[:4]) == {0: (4, 0), 2: (4, 0)}
+    assert index.store.holders(H[0]) == [0, 2]
+    assert index.store.longest_prefixes(H[:4]) == {0: (4, 0), 2: (4, 0)}
     assert index.ranks() == [0, 2] and index.next_seq(1) == 0
     index.remove_rank(7)                                    # unknown: ignored
     assert index.apply(5, 0, batch(stored(H[:2]))).applied  # reuses the freed bit
-    assert index.holders(H[1]) == [0, 2, 5]
-    assert index.longest_prefixes(H[:4]) == {0: (4, 0), 2: (4, 0), 5: (2, 0)}
+    assert index.store.holders(H[1]) == [0, 2, 5]
+    assert index.store.longest_prefixes(H[:4]) == {0: (4, 0), 2: (4, 0), 5: (2, 0)}
 
 
 # --- atomic batches -------------------------------------------------------------------------------
@@ -202,16 +130,6 @@ def test_malformed_event_rejects_the_whole_batch(index, bad, exc):
     assert state(index) == before
 
 
-def test_wrong_rank_or_numbering_is_a_caller_error(index):
-    with pytest.raises(ValueError, match="rank 2"):
-        index.apply(1, 0, batch(stored(H[:1]), rank=2))
-    with pytest.raises(ValueError, match="seq"):
-        index.apply(1, -1, batch())
-    with pytest.raises(TypeError):
-        index.apply(1, 0, [stored(H[:1])])
-    assert index.ranks() == []
-
-
 def test_divergent_removal_rolls_the_batch_back(index):
     index.apply(0, 0, batch(stored(H[:3])))
     index.apply(0, 1, batch(BlockUpdated(H[2], "GPU", "CPU")))
@@ -231,16 +149,6 @@ def test_moving_a_block_from_a_tier_that_lacks_it_diverges(index):
     assert state(index)[1:] == before[1:]
 
 
-def test_apply_bytes_round_trip_and_malformed_bytes(index):
-    data = encode_batch(batch(KVCacheCreated({"GPU": 4}, TPB), stored(H[:3]), rank=0))
-    assert index.apply_bytes(0, 0, data).applied
-    assert index.longest_prefixes(H[:3]) == {0: (3, 0)}
-    before = state(index)
-    with pytest.raises(EventDecodeError):
-        index.apply_bytes(0, 1, data[:-3])
-    assert state(index) == before
-
-
 # --- model-based property: refcounts and rollback agree with a plain dict -------------------------
 
 _op = st.tuples(st.sampled_from(["store", "remove", "offload", "onboard", "clear"]),
@@ -250,7 +158,7 @@ _op = st.tuples(st.sampled_from(["store", "remove", "offload", "onboard", "clear
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(_op, max_size=5), max_size=12))
 def test_index_matches_a_reference_model(batches):
-    index = PrefixIndex(TPB)
+    index = make_index()
     model: dict[tuple[int, int], list[int]] = {}   # (rank, hash) -> [device refs, host refs]
     seqs = {0: 0, 1: 0, 2: 0}
     for ops in batches:
@@ -294,15 +202,15 @@ def test_index_matches_a_reference_model(batches):
                 index.load_snapshot(rank, blocks, seqs[rank])
             for rr in range(3):
                 for h in H[:6]:
-                    assert index.refs(rr, h) == tuple(model.get((rr, h), [0, 0]))
+                    assert index.store.refs(rr, h) == tuple(model.get((rr, h), [0, 0]))
             for h in H[:6]:
-                assert index.holders(h) == sorted({rr for (rr, hh) in model if hh == h})
+                assert index.store.holders(h) == sorted({rr for (rr, hh) in model if hh == h})
             for rr in range(3):
                 expect = 0
                 while expect < 6 and (rr, H[expect]) in model:
                     expect += 1
                 host = sum(1 for h in H[:expect] if model[(rr, h)][0] == 0)
-                got = index.longest_prefixes(H[:6]).get(rr, (0, 0))
+                got = index.store.longest_prefixes(H[:6]).get(rr, (0, 0))
                 assert got == ((expect, host) if expect else (0, 0))
 
 
@@ -313,7 +221,7 @@ def _ours(tokens, parent=ROOT_HASH, **kw):
 
 
 def test_foreign_stores_are_rehashed_with_ours_and_chained():
-    index = PrefixIndex(TPB)
+    index = make_index()
     feed = ForeignFeed(index)
     tokens = list(range(100, 125))              # a 25-token prompt: 6 full blocks before the last token
     ours = prompt_hashes(tokens, TPB)
@@ -321,31 +229,31 @@ def test_foreign_stores_are_rehashed_with_ours_and_chained():
     assert feed.apply(3, 0, batch(BlockStored(v[:4], None, tokens[:16], TPB),
                                   BlockStored(v[4:], v[3], tokens[16:24], TPB))).applied
     assert [feed.mapped(3, h) for h in v] == ours
-    assert match_prefix(index, ours)[3].matched_blocks == 6
+    assert match_prefix(index.store, ours)[3].matched_blocks == 6
     # removals by vLLM hash reach our entries; the chain then breaks there
     assert feed.apply(3, 1, batch(BlockRemoved([v[2]]))).applied
-    assert match_prefix(index, ours)[3].matched_blocks == 2
+    assert match_prefix(index.store, ours)[3].matched_blocks == 2
     assert feed.mapped(3, v[2]) is None
     assert feed.stats.blocks_mapped == 6
 
 
 def test_foreign_mapping_is_per_rank_and_refcounted():
-    index = PrefixIndex(TPB)
+    index = make_index()
     feed = ForeignFeed(index)
     tokens = list(range(8))
     ours = _ours(tokens, lora_id=2, cache_salt="t")
     ev = BlockStored([1, 2], None, tokens, TPB, lora_id=2, cache_salt="t")
     feed.apply(0, 0, batch(ev, ev))            # two stores of the same vLLM blocks
     feed.apply(1, 0, batch(BlockStored([5, 6], None, tokens, TPB, lora_id=2, cache_salt="t")))
-    assert index.refs(0, ours[1]) == (2, 0)
-    assert index.holders(ours[0]) == [0, 1]
+    assert index.store.refs(0, ours[1]) == (2, 0)
+    assert index.store.holders(ours[0]) == [0, 1]
     feed.apply(0, 1, batch(BlockRemoved([1, 2])))
-    assert feed.mapped(0, 2) == ours[1] and index.refs(0, ours[1]) == (1, 0)
+    assert feed.mapped(0, 2) == ours[1] and index.store.refs(0, ours[1]) == (1, 0)
     assert feed.mapped(1, 2) is None           # rank 1 named the same prefix 5, 6
 
 
 def test_foreign_unknown_parent_and_unknown_removal_are_skipped():
-    index = PrefixIndex(TPB)
+    index = make_index()
     feed = ForeignFeed(index)
     r = feed.apply(0, 0, batch(BlockStored([11], 10, [1, 2, 3, 4], TPB), BlockRemoved([77]),
                                BlockUpdated(78, "GPU", "CPU")))
@@ -354,7 +262,7 @@ def test_foreign_unknown_parent_and_unknown_removal_are_skipped():
 
 
 def test_foreign_batch_not_applied_leaves_the_map_alone():
-    index = PrefixIndex(TPB)
+    index = make_index()
     feed = ForeignFeed(index)
     feed.apply(0, 0, batch(BlockStored([1], None, [1, 2, 3, 4], TPB)))
     assert feed.apply(0, 5, batch(BlockStored([2], 1, [5, 6, 7, 8], TPB))).status is ApplyStatus.REPLAY
@@ -382,25 +290,25 @@ _chain_op = st.tuples(st.sampled_from(["store", "store", "remove", "evict", "evi
                       st.integers(0, 2), st.integers(0, 9), st.integers(1, 6))
 
 
-def _orphans(index: PrefixIndex, rank: int) -> int:
+def _orphans(index: SequencedIndex, rank: int) -> int:
     """Blocks ``rank`` holds whose chain parent (in CHAINS) it does not: what the index must count."""
     parent = {h: (c[j - 1] if j else None) for c in CHAINS for j, h in enumerate(c)}
-    held = {h for c in CHAINS for h in c if index.refs(rank, h) != (0, 0)}
+    held = {h for c in CHAINS for h in c if index.store.refs(rank, h) != (0, 0)}
     return sum(1 for h in held if parent[h] is not None and parent[h] not in held)
 
 
-def _check_orphan_books(index: PrefixIndex) -> None:
+def _check_orphan_books(index: SequencedIndex) -> None:
     for rank in range(3):
-        feed = index._feeds.get(rank)
+        feed = index.store._holdings.get(rank)
         if feed is not None and not feed.untracked:
             assert feed.orphans == _orphans(index, rank)
-            assert bool(index._walked & feed.bit) == bool(feed.orphans)
+            assert bool(index.store._walked & feed.bit) == bool(feed.orphans)
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(_chain_op, max_size=4), max_size=12))
 def test_chain_prefixes_agree_with_the_block_by_block_walk(batches):
-    index = PrefixIndex(TPB)
+    index = make_index()
     for ops in batches:
         for kind, rank, c, start, n in ops:
             chain = CHAINS[c]
@@ -423,7 +331,7 @@ def test_chain_prefixes_agree_with_the_block_by_block_walk(batches):
                 index.load_snapshot(rank, [], index.next_seq(rank))
         for chain in CHAINS:
             for end in (1, 4, 10):
-                assert index.chain_prefixes(chain[:end]) == index.longest_prefixes(chain[:end])
+                assert index.store.chain_prefixes(chain[:end]) == index.store.longest_prefixes(chain[:end])
 
 
 LONG = [[0x9000_0000 + 1000 * c + j for j in range(200)] for c in range(2)]   # past several of the probe's grid steps
@@ -436,12 +344,12 @@ LONG[1][:70] = LONG[0][:70]
 def test_chain_prefixes_of_long_chains_agree_with_the_block_by_block_walk(ops):
     """Many ranks ending their matches all along chains of many grid steps (bisected in C while no rank holds an
     orphan), and mid-chain evictions that make some ranks walked: the answers are the walk's."""
-    index = PrefixIndex(TPB)
+    index = make_index()
     for rank, c, length, cut, mid_chain in ops:
-        held = index.chain_prefixes(LONG[c]).get(rank, (0, 0))[0]
+        held = index.store.chain_prefixes(LONG[c]).get(rank, (0, 0))[0]
         if length > held:   # grow the rank's prefix of chain c to ``length`` blocks
             ev = stored(LONG[c][held:length], LONG[c][held - 1] if held else None)
-        elif mid_chain and index.refs(rank, LONG[c][cut]) != (0, 0):
+        elif mid_chain and index.store.refs(rank, LONG[c][cut]) != (0, 0):
             ev = removed([LONG[c][cut]])   # an orphan-making eviction (or a tail, if ``cut`` is the last)
         else:
             ev = removed(LONG[c][length:held][::-1])   # a tail, newest first
@@ -449,41 +357,31 @@ def test_chain_prefixes_of_long_chains_agree_with_the_block_by_block_walk(ops):
             assert index.apply(rank, index.next_seq(rank), batch(ev)).applied
         for chain in LONG:
             for end in (1, 31, 33, 64, 150, 200):
-                assert index.chain_prefixes(chain[:end]) == index.longest_prefixes(chain[:end])
+                assert index.store.chain_prefixes(chain[:end]) == index.store.longest_prefixes(chain[:end])
 
 
 def test_chain_prefixes_walk_ranks_with_holes_and_sequences_that_are_not_chains(index):
     c = CHAINS[0]
     index.apply(0, 0, batch(stored(c[:8])))
     index.apply(1, 0, batch(stored(c[:8])))
-    assert index.chain_prefixes(c) == {0: (8, 0), 1: (8, 0)}
+    assert index.store.chain_prefixes(c) == {0: (8, 0), 1: (8, 0)}
     index.apply(1, 1, batch(removed(c[3:4])))            # an eviction mid-chain: rank 1 holds 0-2 and 4-7
-    assert index.chain_prefixes(c) == index.longest_prefixes(c) == {0: (8, 0), 1: (3, 0)}
+    assert index.store.chain_prefixes(c) == index.store.longest_prefixes(c) == {0: (8, 0), 1: (3, 0)}
     index.apply(1, 2, batch(stored(c[3:4], c[2])))        # the hole refilled: whole prefixes again
-    assert index._walked == 0
-    assert index.chain_prefixes(c) == {0: (8, 0), 1: (8, 0)}
+    assert index.store._walked == 0
+    assert index.store.chain_prefixes(c) == {0: (8, 0), 1: (8, 0)}
     not_a_chain = [c[0], c[5], c[1], c[2]]                # held blocks, but not each the child of the one before
-    assert index.chain_prefixes(not_a_chain) == index.longest_prefixes(not_a_chain) == {0: (4, 0), 1: (4, 0)}
+    assert index.store.chain_prefixes(not_a_chain) == index.store.longest_prefixes(not_a_chain) \
+        == {0: (4, 0), 1: (4, 0)}
 
 
 def test_snapshot_of_blocks_of_unknown_parent_is_walked_block_by_block(index):
     c = CHAINS[0]
     index.load_snapshot(2, [SnapshotBlock(h) for h in c[:5]], 0)
-    assert index._walked == 1 << 0                        # rank 2 took slot 0
-    assert index.chain_prefixes(c) == {2: (5, 0)}
+    assert index.store._walked == 1 << 0                        # rank 2 took slot 0
+    assert index.store.chain_prefixes(c) == {2: (5, 0)}
     index.apply(2, 0, batch(AllBlocksCleared(), stored(c[:2])))
-    assert index._walked == 0 and index.chain_prefixes(c) == {2: (2, 0)}
-
-
-def test_apply_bytes_reads_no_token_ids_but_rejects_what_is_not_an_array(index):
-    good = stored(H[:1])
-    data = encode_batch(batch(good, rank=0))
-    assert index.apply_bytes(0, 0, data).applied
-    not_an_array = data.replace(bytes([0x94]) + bytes([7]) * 4, bytes([7]))   # token_ids [7, 7, 7, 7] -> 7
-    assert not_an_array != data
-    with pytest.raises(EventDecodeError, match="token_ids"):
-        index.apply_bytes(0, 1, not_an_array)
-    assert index.next_seq(0) == 1
+    assert index.store._walked == 0 and index.store.chain_prefixes(c) == {2: (2, 0)}
 
 
 # --- KV cache groups (attention windows) --------------------------------------------------------------------------
@@ -504,7 +402,7 @@ def group_removed(hashes, group):
 
 
 def matched(index, rank, n=8):
-    return index.chain_prefixes(H[:n]).get(rank, (0, 0))[0]
+    return index.store.chain_prefixes(H[:n]).get(rank, (0, 0))[0]
 
 
 def test_a_prefix_counts_for_a_windowed_rank_only_as_far_as_every_group_serves_it(index):
@@ -514,12 +412,12 @@ def test_a_prefix_counts_for_a_windowed_rank_only_as_far_as_every_group_serves_i
     assert matched(index, 0) == matched(index, 1) == 8
     # group 0 lets its early blocks go (they slid out): the query after 8 blocks reads blocks 6 and 7 only
     assert index.apply(0, 1, batch(group_removed(H[:5], 0))).applied
-    assert matched(index, 0) == 8 and index.refs(0, H[0]) == (0, 0)
-    assert index.chain_prefixes(H[:6]).get(0, (0, 0))[0] == 0   # 6 blocks would need blocks 4 and 5 of group 0
+    assert matched(index, 0) == 8 and index.store.refs(0, H[0]) == (0, 0)
+    assert index.store.chain_prefixes(H[:6]).get(0, (0, 0))[0] == 0   # 6 blocks would need blocks 4 and 5 of group 0
     # the full-attention group loses block 3: nothing past it counts, whatever group 0 holds
     assert index.apply(0, 2, batch(group_removed([H[3]], 1))).applied
     assert matched(index, 0) == 0 and matched(index, 1) == 8
-    assert match_prefix(index, H[:8])[1].matched_tokens == 8 * TPB and 0 not in match_prefix(index, H[:8])
+    assert match_prefix(index.store, H[:8])[1].matched_tokens == 8 * TPB and 0 not in match_prefix(index.store, H[:8])
 
 
 def test_a_group_removal_of_a_block_it_does_not_hold_rolls_the_batch_back(index):
@@ -559,5 +457,5 @@ def test_vllm_style_group_maps_decode_and_index(index):
                                 ev("BlockStored", 1, H[:4], kv_cache_spec_kind="sliding_window",
                                    kv_cache_spec_sliding_window=8),
                                 ev("BlockRemoved", 1, H[:1])], 0])
-    assert index.apply_bytes(0, 0, data).applied
+    assert ingest(index, 0, 0, data).applied
     assert matched(index, 0, 4) == 4 and matched(index, 0, 1) == 0   # one block needs group 1's block 0

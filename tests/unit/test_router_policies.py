@@ -12,7 +12,7 @@ from kvledger.router.policies import (CacheAwarePolicy, KvCostModel, KvPolicy, N
                                       RouteDecision, RouteRequest, make_policy, policy_names)
 from kvledger.router.policies.approx_tree import ApproxTree
 from kvledger.router.probe import PrefixMatch, match_prefix
-from kvledger.worker.wire.events import BlockStored, EventBatch
+from kvledger.worker.wire.events import BlockStored
 
 TPB = 4
 CACHE_AWARE = ["kv", "cache_aware", "dynamo", "llm_d"]
@@ -128,8 +128,7 @@ def _simulate(policy_name: str) -> int:
         policy.on_routed(request, decision)
         computed += len(tokens) - decision.matched_tokens[decision.rank]
         hs = list(request.block_hashes)
-        index.apply(decision.rank, index.next_seq(decision.rank),
-                    EventBatch(0.0, [BlockStored(hs, None, tokens[:len(hs) * TPB], TPB)]))
+        assert index.apply(decision.rank, [BlockStored(hs, None, tokens[:len(hs) * TPB], TPB)]) is None
     return computed
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
-from kvledger.router.index import ApplyStatus
+from kvledger.router.numbering import ApplyStatus
 from kvledger.router.policies import NoLiveRankError, make_policy
 from kvledger.router.served import OverloadedError
 from kvledger.router.service import RouterService

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvledger.router.foreign import ForeignFeed
+from kvledger.router.groups import WindowedIndex
 from kvledger.router.index import PrefixIndex
+from kvledger.router.numbering import SequencedIndex
 from kvledger.router.probe import match_all_sizes, probe, prompt_hashes
 from kvledger.router.vllm_events import VllmEventSubscriber
 
@@ -17,8 +19,8 @@ VLLM_RANK = 100
 @pytest.fixture
 def engine():
     pub = FakeVllmPublisher(buffer_steps=2)
-    index = PrefixIndex(tokens_per_block=T)
-    sub = VllmEventSubscriber(ForeignFeed(index), VLLM_RANK, f"tcp://127.0.0.1:{pub.pub_port}",
+    index = WindowedIndex(tokens_per_block=T)
+    sub = VllmEventSubscriber(ForeignFeed(SequencedIndex(index)), VLLM_RANK, f"tcp://127.0.0.1:{pub.pub_port}",
                               replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}")
     pub.wait_subscribed()
     yield pub, index, sub
@@ -110,7 +112,7 @@ def matched_all(index: PrefixIndex, tokens: list[int]) -> dict[int, int]:
 
 def test_endpoint_must_be_a_zmq_address():
     with pytest.raises(ValueError, match="ZMQ address"):
-        VllmEventSubscriber(ForeignFeed(PrefixIndex(tokens_per_block=T)), 1, "127.0.0.1:5557")
+        VllmEventSubscriber(ForeignFeed(SequencedIndex(WindowedIndex(tokens_per_block=T))), 1, "127.0.0.1:5557")
 
 
 def test_a_salted_chain_keeps_its_salt_from_the_first_blocks_extra_keys(engine):

@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 import torch
-from router_helpers import TIMEOUT, system, wait_for
+from router_helpers import TIMEOUT, system, wait_for, wait_logged
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
@@ -230,7 +230,8 @@ def test_replicas_fed_the_same_events_make_the_same_decision(replicas):
         cluster.client(r).serve([Request(5000 + r, encode(text), 1)])
     for text in homes.values():
         truth = exact(clients[0], text)
-        wait_for(lambda: all(matched(c, text) == truth for c in clients), "every replica to index the pushes")
+        for c in clients:
+            wait_logged(c, lambda: matched(c, text) == truth, "every replica to index the pushes")
     assert all(idle(c, system("r0")) for c in clients), "no router dispatched anything"
     # (a prompt nobody holds is a tie every rank wins equally: which one each replica draws is no disagreement)
     questions = [homes[0] + " and a follow-up", homes[1] + " and another", system("r0")[:40] + " half a prefix"]
@@ -263,7 +264,7 @@ def test_a_request_to_any_replica_is_served_and_indexed_by_all(replicas, ray_ses
         text = shared + f"Q: first via replica {i}?"
         home = via(i, text, 2)["rank"]
         for other in clients:
-            wait_for(lambda: matched(other, text)[home] > 0, f"replica {clients.index(other)} to index it")
+            wait_logged(other, lambda: matched(other, text)[home] > 0, f"replica {clients.index(other)} to index it")
             assert matched(other, text) == exact(other, text)
         for j in range(REPLICAS):   # a follow-up to any replica goes where the prefix is
             got = via(j, shared + f"Q: then via {j}?", 1)
@@ -287,11 +288,11 @@ def test_a_replica_that_restarts_reattaches_itself_and_the_others_keep_their_str
     truth = exact(clients[0], text)
     assert truth[0] > 0
     for client in clients:
-        wait_for(lambda: matched(client, text) == truth, "both replicas to hold the rank's blocks")
+        wait_logged(client, lambda: matched(client, text) == truth, "both replicas to hold the rank's blocks")
     later = system("later") + "Q: pushed after the restart"
     cluster.client(1).serve([Request(6001, encode(later), 1)])
     truth = exact(clients[0], later)
     for client in clients:   # replica 0 was never detached; replica 1 is attached again
-        wait_for(lambda: matched(client, later) == truth, "both replicas to get the next pushes")
+        wait_logged(client, lambda: matched(client, later) == truth, "both replicas to get the next pushes")
     peer_sync(ray_session, handles)   # each replica reaches the other: replica 0 the new process of replica 1
     assert all(idle(c, later) for c in clients)

@@ -137,15 +137,18 @@ class ReferenceEngine:
         chunks in ``batch`` order while ``max_tokens`` lasts (a chunk longer than what is left is cut with
         ``fit_token_budget``; the rest waits for a later step).
 
-        A request whose last chunk is computed gets its result and first token, and its prompt's blocks are
-        stored. Raises ``OutOfBlocksError`` before anything changes when the decoding requests cannot grow, or
-        when no chunk can be admitted and nothing decodes (the caller preempts or waits).
+        The decoding requests grow first, all of them in every window or none (``check_decode_step``); the
+        context chunks then take what is left. A request whose last chunk is computed gets its result and first
+        token, and its prompt's blocks are stored. Raises ``OutOfBlocksError`` before anything changes when the
+        decoding requests cannot grow, or when no chunk can be admitted and nothing decodes (the caller preempts
+        or waits).
         """
         decoding = [r for r in batch if r.prefilled]
-        need = sum(manager.get_needed_blocks_one_step(r.request.request_id) for r in decoding)
-        free = manager.stats().free_num_blocks
-        if need > free:   # all or none: a grown sequence whose KV is never written would be stored
-            raise OutOfBlocksError(need, free, f"decode step of request(s) {[r.request.request_id for r in decoding]}")
+        # all or none: every decoder's growth, in every window, is checked and taken before any context chunk
+        # may take a block, so no request counts a token whose KV this step does not write
+        manager.check_decode_step([r.request.request_id for r in decoding])
+        for r in decoding:
+            manager.add_token(r.request.request_id, 1, tokens=[r.result.output_tokens[-1]])
         left = None if max_tokens is None else max_tokens - len(decoding)
         chunks: list[tuple[RunningRequest, int, int]] = []
         for r in batch:
@@ -165,10 +168,9 @@ class ReferenceEngine:
             chunks.append((r, start, end))
             left = None if left is None else left - (end - start)
         if not chunks and not decoding:
-            raise OutOfBlocksError(1, free, f"admitting the next context chunk of request(s) "
-                                            f"{[r.request.request_id for r in batch]}")
-        for r in decoding:
-            manager.add_token(r.request.request_id, 1, tokens=[r.result.output_tokens[-1]])
+            ids = [r.request.request_id for r in batch]
+            raise OutOfBlocksError(1, manager.stats().free_num_blocks, f"admitting the next context chunk of "
+                                                                       f"request(s) {ids}")
         order = [r for r, _, _ in chunks] + decoding
         ids = [r.request.request_id for r in order]
         inputs = [r.request.tokens[s:e] for r, s, e in chunks] + [[r.result.output_tokens[-1]] for r in decoding]

@@ -539,8 +539,24 @@ class KVCacheManager:
         if not seq.decoding and seq.num_tokens < prompt:
             return sum(self._chunk_blocks(seq, min(prompt, seq.num_tokens + (self.config.context_chunk_size
                                                                              or prompt))))
+        return self._decode_blocks(seq, two_steps_lookahead) * len(self._windows)   # every window grows alike
+
+    def check_decode_step(self, request_ids: Seq[int]) -> None:
+        """``OutOfBlocksError`` unless the decoding ``request_ids`` can all grow by one step at once, changing
+        nothing: each window grows alike and draws on its own pool, so each window's need is held against that
+        window's free blocks, never against the sum over windows."""
+        need = sum(self._decode_blocks(self._running(rid), False) for rid in request_ids)
+        for w in self._windows:
+            free = w.pool.num_free(PRIMARY)
+            if need > free:
+                raise OutOfBlocksError(need, free, f"decode step of request(s) {list(request_ids)}"
+                                                   f"{self._admit.in_window(w)}")
+
+    def _decode_blocks(self, seq: Sequence, two_steps_lookahead: bool) -> int:
+        """Blocks one window of decoding ``seq`` allocates in its next step (two, looking ahead)."""
+        r = seq.request
         return step_blocks(seq.num_tokens, len(seq.blocks), r.num_draft_tokens, r.beam_width, self.tokens_per_block,
-                           two_steps_lookahead) * len(self._windows)   # every window grows alike
+                           two_steps_lookahead)
 
     def get_context_budget(self, request: Request) -> ContextBudget:
         """What admitting ``request``'s context costs, as TensorRT-LLM's ``getNeededBlocksOneStep`` prices a

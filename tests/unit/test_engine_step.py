@@ -1,6 +1,7 @@
 """One batched step of the reference engine is all or none: the decoding requests grow, in every window, before
 a context chunk may take a block, so no request counts a token whose KV the step did not write, and a step that
-cannot grow them changes nothing."""
+cannot grow them changes nothing. The rank admits a request only when every window's own pool holds what it
+still needs."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from kvledger.worker.engine.reference import ReferenceEngine, RunningRequest
 from kvledger.worker.engine.sampler import Sampler
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
+from kvledger.worker.rank.scheduler import BatchingConfig
+from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.request import Request
 
@@ -20,9 +23,9 @@ def cache(blocks: int, chunk: int | None = 8, **kw) -> CacheConfig:
                        device="cpu", num_primary_blocks=blocks, context_chunk_size=chunk, check_integrity=True, **kw)
 
 
-def scratch(r: Request) -> list[int]:
-    (res,) = ReferenceEngine(cache(64, None)).serve(KVCacheManager(cache(64, None)), [Request(0, r.tokens,
-                                                                                             r.max_new_tokens)])
+def scratch(r: Request, **kw) -> list[int]:
+    big = cache(64, None, **kw)
+    (res,) = ReferenceEngine(big).serve(KVCacheManager(big), [Request(0, r.tokens, r.max_new_tokens)])
     return res.output_tokens
 
 
@@ -68,3 +71,18 @@ def test_a_decode_step_is_held_against_each_windows_own_pool():
         engine.step(mgr, batch, sampler)
     assert [mgr.num_tokens(r.request.request_id) for r in batch] == before, "the refused step changed nothing"
     mgr.check_integrity()
+
+
+def test_admission_holds_each_window_against_its_own_pool():
+    """Two requests that need 2 blocks each in the full window of 3 (and 2 each in the sliding one of 6): the
+    sum over windows (8 of 9 free) would admit both at once; the full window holds one, so the second waits
+    for the first to finish, and both give scratch's tokens."""
+    windows = dict(attention_windows=(8, None), window_shares=(2, 1))
+    w = RankWorker(0, 1, cache(5, None, **windows), batching=BatchingConfig(max_num_seqs=4))
+    w.build_ledger(*w.local_block_counts())
+    reqs = [Request(1, [1, 2, 3, 4], 4), Request(2, [5, 6, 7, 8], 4)]
+    outs = w.serve(reqs).outcomes
+    assert [o.output_tokens for o in outs] == [scratch(r, **windows) for r in reqs]
+    load = w.load()
+    assert load.peak_running_requests == 1, "the second request waited for the full window's blocks"
+    assert load.preempted_requests == 0, "nothing admitted had to start over"

@@ -324,7 +324,9 @@ class ReferenceEngine:
         """
         done = [r for r in done if r.request.max_new_tokens > 0]
         ids = [r.request.request_id for r in done]
-        if sum(manager.get_needed_blocks_one_step(rid) for rid in ids) > manager.stats().free_num_blocks:
+        try:
+            manager.check_decode_step(ids)
+        except OutOfBlocksError:
             return
         for r, rid in zip(done, ids):
             manager.add_token(rid, 1, tokens=[r.result.output_tokens[-1]])

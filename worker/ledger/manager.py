@@ -580,24 +580,37 @@ class KVCacheManager:
         """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded), its last
         step's draft tokens counted; a beam search's prompt blocks once, every later block per beam. With attention
         windows, the sum over the windows, a sliding window's capped at the most it ever holds at once."""
+        return sum(self.remaining_blocks_by_window(request))
+
+    def remaining_blocks_by_window(self, request: Request) -> tuple[int, ...]:
+        """``get_remaining_blocks_to_completion`` per window, in ``window_block_counts`` order: what each window's
+        own pool must still supply. Before admission the prefix tree's reusable blocks are taken off the full
+        attention windows only (a sliding window may hold none of them when it needs its blocks)."""
         request.validate()
         total = blocks_to_completion(len(request.tokens), request.max_new_tokens, request.num_draft_tokens,
                                      request.beam_width, self.tokens_per_block)
         seq = self._seqs.get(request.request_id)
-        if self._windowed:   # a sliding window holds the prompt's blocks, then those of one window and one filling
-            T = self.tokens_per_block
-            span = [max(ceil_div(len(request.tokens), T), ceil_div(w.size + request.num_draft_tokens, T) + 1)
-                    if w.size is not None else total for w in self._windows]
-            totals = [min(total, s) for s in span]
+        if not self._windowed:
             if seq is not None:
-                return sum(max(0, t - sum(1 for b in blocks if b is not PLACEHOLDER))
-                           for t, blocks in zip(totals, seq.windows))
-            total = sum(totals)
-        elif seq is not None:
-            return max(0, total - sum(len(h) for h in seq.holders()))
-        summary = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt,
-                                            request.mm_keys, request.extra_ids)
-        return total - summary.reusable_blocks_allocated
+                return (max(0, total - sum(len(h) for h in seq.holders())),)
+            return (total - self._reusable(request),)
+        # a sliding window holds the prompt's blocks, then those of one window and one filling
+        T = self.tokens_per_block
+        totals = [min(total, max(ceil_div(len(request.tokens), T), ceil_div(w.size + request.num_draft_tokens, T) + 1))
+                  if w.size is not None else total for w in self._windows]
+        if seq is not None:
+            return tuple(max(0, t - sum(1 for b in blocks if b is not PLACEHOLDER))
+                         for t, blocks in zip(totals, seq.windows))
+        reusable = self._reusable(request)
+        return tuple(t - reusable if w.size is None else t for t, w in zip(totals, self._windows))
+
+    def _reusable(self, request: Request) -> int:
+        return self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
+                                         request.extra_ids).reusable_blocks_allocated
+
+    def free_blocks_by_window(self) -> tuple[int, ...]:
+        """Free device blocks of each window's pool, in ``window_block_counts`` order."""
+        return tuple(w.pool.num_free(PRIMARY) for w in self._windows)
 
     # ------------------------------------------------------------------ scheduling
 

@@ -236,8 +236,9 @@ class BatchScheduler:
     def _admit(self, mgr: KVCacheManager) -> None:
         """The queue's head joins while the batch has room and its blocks to completion are free (see the module
         docstring); a head that cannot fit even an empty batch is refused with ``OutOfBlocksError``."""
-        promised = sum(mgr.get_remaining_blocks_to_completion(e.request) for e in self._running)
-        free = mgr.stats().free_num_blocks
+        free = list(mgr.free_blocks_by_window())   # each window against its own pool, never their sum
+        for e in self._running:   # what the running requests will still take is not free for the head
+            free = [f - n for f, n in zip(free, mgr.remaining_blocks_by_window(e.request))]
         while len(self._running) < self.config.max_num_seqs:
             with self._cv:
                 if not self._waiting:
@@ -246,10 +247,12 @@ class BatchScheduler:
             if head.ticket.done.is_set():   # its caller already failed: drop what is left of it
                 self._pop(head)
                 continue
-            need = mgr.get_remaining_blocks_to_completion(head.request)
+            need = mgr.remaining_blocks_by_window(head.request)
             try:
-                if need + promised > free:
-                    raise OutOfBlocksError(need, free - promised, f"request {head.request.request_id} to completion")
+                for w, (n, f) in enumerate(zip(need, free)):
+                    if n > f:
+                        raise OutOfBlocksError(n, f, f"request {head.request.request_id} to completion"
+                                                     + (f" in attention window {w}" if len(free) > 1 else ""))
                 (head.running,) = self.engine.admit(mgr, [head.request], self._sampler)
             except OutOfBlocksError as e:
                 if self._running:
@@ -261,7 +264,7 @@ class BatchScheduler:
                 self._pop(head)
                 head.ticket.fail(e)
                 continue
-            promised += need
+            free = [f - n for f, n in zip(free, need)]
             head.admitted_step = self._counts.steps + 1
             with self._cv:
                 self._waiting.popleft()

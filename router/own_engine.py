@@ -35,10 +35,9 @@ class PlainChat:
 
 
 def engine_info(info: RankInfo) -> EngineInfo:
-    """What a ready rank reports, as the router needs it: its pool bounds the context."""
+    """What a ready rank reports, as the router needs it: its full-attention pool bounds the context."""
     tok = info.tokenizer
-    return EngineInfo(info.model, info.tokens_per_block, tok, info.device_blocks * info.tokens_per_block,
-                      tok.vocab_size, PlainChat(), LEDGER)
+    return EngineInfo(info.model, info.tokens_per_block, tok, info.max_context, tok.vocab_size, PlainChat(), LEDGER)
 
 
 def retention_for(priority: int | None) -> RetentionConfig | None:

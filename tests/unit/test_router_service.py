@@ -249,3 +249,19 @@ def test_a_full_rank_queue_is_a_429_to_the_client_and_what_was_taken_is_served()
     assert all(len(r.output_tokens) == 400 for r in served)
     assert svc.tally.stats.shed == len(shed) and svc.tally.stats.completions == len(served)
     assert w.load().served_requests == len(served) and w.load().refused_requests == len(shed)
+
+
+def test_a_prompt_no_full_attention_window_can_hold_is_bad_input_with_the_limit():
+    """The issue's rank: windows of 32 tokens and full attention, 47 device blocks of 8 in all but 4 in the full
+    window. A request of more than 32 tokens can never be held: a 400 at once naming the limit, not a 429 after
+    it waited; one that fits is served."""
+    cfg = CacheConfig(tokens_per_block=8, num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=24, attention_windows=(32, None), window_shares=(9, 1))
+    svc = RouterService(LocalCluster.build(1, cfg), RouterConfig(tokens_per_block=8))
+    svc.feed.sync()
+    for prompt, max_tokens in ((30, 12), (50, 1)):
+        with pytest.raises(ValueError, match=f"maximum context length is 32 tokens; the request needs "
+                                             f"{prompt + max_tokens}"):
+            svc.complete(list(range(1, prompt + 1)), max_tokens=max_tokens)
+    assert len(svc.complete(list(range(1, 25)), max_tokens=8).output_tokens) == 8
+    svc.close()

@@ -608,6 +608,12 @@ class KVCacheManager:
         return self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
                                          request.extra_ids).reusable_blocks_allocated
 
+    def context_limit(self) -> int | None:
+        """The most tokens, prompt and output, one request can ever hold here: a full-attention window keeps
+        every block, so its pool is the bound (never the sum over windows); ``None`` with sliding windows only."""
+        full = [w.pool.num_primary for w in self._windows if w.size is None]
+        return min(full) * self.tokens_per_block if full else None
+
     def free_blocks_by_window(self) -> tuple[int, ...]:
         """Free device blocks of each window's pool, in ``window_block_counts`` order."""
         return tuple(w.pool.num_free(PRIMARY) for w in self._windows)

@@ -121,6 +121,9 @@ class RankInfo:
     tokenizer: object = None
     """The model's tokenizer: ``encode(text, add_special_tokens)``, ``decode(ids)``, ``name`` and ``vocab_size``
     (``router.prompt_tokenizer.PromptTokenizer``), so the router needs no import from the engine."""
+    max_context: int | None = None
+    """The most prompt and output tokens one request can ever hold here (the full-attention window's pool;
+    ``None``: no bound known)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """kvledger's own ranks as ``Engine``s: a generation becomes the reference engine's requests, its outcomes OpenAI's
 answer.
 
-The ``n`` samplings of one generation are one ``serve`` call of ``n`` requests
-on the one rank it was routed to, choice ``i`` seeded ``seed + i`` (so the
-choices differ but repeat). The sampling parameters become the reference
+The ``n`` samplings of one generation go to the one rank it was routed to:
+its prompt is computed once (a request of no output tokens, whose blocks the
+ledger stores), then the ``n`` choices are one ``serve`` call that reuses
+them, choice ``i`` seeded ``seed + i`` (so the choices differ but repeat). The sampling parameters become the reference
 engine's ``Sampling`` (temperature, top-p, top-k, seed, log-probabilities;
 greedy at temperature 0); a parameter it cannot honour (the penalties) is
 refused by name rather than silently dropped, and stop strings cut the text
@@ -21,7 +22,7 @@ from kvledger.router.openai_types import (MAX_N, ParamError, answer_chunks, comp
                                           usage)
 from kvledger.router.rank_client import RankClient
 from kvledger.worker.wire.batches import PublishedBatch
-from kvledger.worker.wire.messages import RankInfo, RankLoad
+from kvledger.worker.wire.messages import RankInfo, RankLoad, ServeOutcome
 from kvledger.worker.wire.request import Request, RetentionConfig, Sampling, TokenRange
 
 PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -89,7 +90,8 @@ class OwnEngine:
         return self._info
 
     def requests(self, job: Generation) -> list[Request]:
-        """The ``n`` requests of ``job`` (ids ``request_id`` on), each checked; ``ValueError`` names a bad one."""
+        """The ``n`` requests of ``job`` (ids ``request_id`` on; its prefill's is ``request_id + n``), each
+        checked; ``ValueError`` names a bad one."""
         if not 1 <= job.n <= MAX_N:
             raise ParamError("n", f"n must be 1..{MAX_N}, got {job.n!r}")
         out = [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
@@ -103,18 +105,29 @@ class OwnEngine:
         self.requests(job)
 
     def generate(self, job: Generation) -> Generated:
-        reply = self.client.serve(self.requests(job), publish=True)
-        if reply.events is not None:
-            self._publish(self.rank, reply.events)
+        requests = self.requests(job)
+        cached = None
+        if len(requests) > 1:   # the prompt computed once: the choices then reuse its blocks
+            (prefill,) = self._serve([Request(job.request_id + job.n, list(job.tokens), 0, job.lora_id,
+                                              job.cache_salt, retention=retention_for(job.priority))])
+            cached = prefill.cached_tokens
+        outcomes = self._serve(requests)
+        first = outcomes[0]
+        cached = first.cached_tokens if cached is None else cached
         decode, stops = self._info.tokenizer.decode, stops_of(job.fields)
         choices = [make_choice(o.output_tokens, o.logprobs, o.top_logprobs, stops, job.chat, decode)
-                   for o in reply.outcomes]
-        first = reply.outcomes[0]
+                   for o in outcomes]
         answer = completion_answer(f"{'chatcmpl' if job.chat else 'cmpl'}-{job.request_id}", self._info.model,
-                                   choices, usage(len(job.tokens), sum(len(o.output_tokens) for o in reply.outcomes),
-                                                  first.cached_tokens), job.chat)
-        return Generated(answer, first.output_tokens, first.cached_tokens,
-                         sum(o.onboarded_blocks for o in reply.outcomes))
+                                   choices, usage(len(job.tokens), sum(len(o.output_tokens) for o in outcomes),
+                                                  cached), job.chat)
+        return Generated(answer, first.output_tokens, cached, sum(o.onboarded_blocks for o in outcomes))
+
+    def _serve(self, requests: list[Request]) -> list[ServeOutcome]:
+        """The rank's outcomes; its events to the feed before they are answered."""
+        reply = self.client.serve(requests, publish=True)
+        if reply.events is not None:
+            self._publish(self.rank, reply.events)
+        return reply.outcomes
 
     def stream(self, job: Generation) -> Iterator[dict | str]:
         """The answer computed whole, then streamed as OpenAI streams it: a chunk per choice, usage, ``[DONE]``."""

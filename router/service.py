@@ -73,7 +73,7 @@ class RouterService:
         self._asked: dict[int, Ended] = {}
         """Per rank, what had ended there when its load report was asked (``ReportedQueue.less``)."""
         self._listener: DispatchListener | None = None
-        self._request_ids = itertools.count(1, MAX_N)   # a generation's n choices take consecutive ids
+        self._request_ids = itertools.count(1, MAX_N + 1)   # a generation's n choices (and prefill) take the next ids
         try:
             for url in config.vllm:
                 self.add_vllm(url)

@@ -219,9 +219,9 @@ class BatchScheduler:
     def _step(self, mgr: KVCacheManager) -> bool:
         """Admit what fits, run one step, release what finished (the caller holds the ledger's lock); whether
         the batch is stalled, waiting for blocks."""
-        self._admit(mgr)
+        blocked = self._admit(mgr)
         if not self._running:
-            return False
+            return blocked
         batch = [e.running for e in self._running]
         try:
             record = self.engine.step(mgr, batch, self._sampler, self.config.max_num_batched_tokens)
@@ -233,16 +233,18 @@ class BatchScheduler:
         self._finish(mgr, record)
         return False
 
-    def _admit(self, mgr: KVCacheManager) -> None:
+    def _admit(self, mgr: KVCacheManager) -> bool:
         """The queue's head joins while the batch has room and its blocks to completion are free (see the module
-        docstring); a head that cannot fit even an empty batch is refused with ``OutOfBlocksError``."""
+        docstring). A head its windows' pools could never hold is refused with ``OutOfBlocksError``; one that
+        fits them but finds the blocks held outside the batch (a migration's import, a pinned export) waits for
+        them, ``STALL_S`` at most with nothing running. Whether it waits so."""
         free = list(mgr.free_blocks_by_window())   # each window against its own pool, never their sum
         for e in self._running:   # what the running requests will still take is not free for the head
             free = [f - n for f, n in zip(free, mgr.remaining_blocks_by_window(e.request))]
         while len(self._running) < self.config.max_num_seqs:
             with self._cv:
                 if not self._waiting:
-                    return
+                    return False
                 head = self._waiting[0]
             if head.ticket.done.is_set():   # its caller already failed: drop what is left of it
                 self._pop(head)
@@ -256,7 +258,9 @@ class BatchScheduler:
                 (head.running,) = self.engine.admit(mgr, [head.request], self._sampler)
             except OutOfBlocksError as e:
                 if self._running:
-                    return   # it waits for the running requests to finish
+                    return False   # it waits for the running requests to finish
+                if self._may_wait(mgr, need):
+                    return True
                 self._pop(head)
                 head.ticket.fail(e)
                 continue
@@ -265,12 +269,27 @@ class BatchScheduler:
                 head.ticket.fail(e)
                 continue
             free = [f - n for f, n in zip(free, need)]
+            self._stalled_since = None
             head.admitted_step = self._counts.steps + 1
             with self._cv:
                 self._waiting.popleft()
                 self._running.append(head)
                 c = self._counts
                 c.peak_running_requests = max(c.peak_running_requests, len(self._running))
+        return False
+
+    def _may_wait(self, mgr: KVCacheManager, need: tuple[int, ...]) -> bool:
+        """Whether a head that finds no blocks free for it, with nothing running, waits for blocks held outside
+        the batch to come back: only when its windows' pools could hold it at all, and for ``STALL_S``."""
+        if any(n > device for n, (device, _) in zip(need, mgr.window_block_counts)):
+            return False
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        if now - self._stalled_since < STALL_S:
+            return True
+        self._stalled_since = None
+        return False
 
     def _pop(self, head: _Entry) -> None:
         with self._cv:

@@ -283,6 +283,10 @@ class BatchScheduler:
         the batch to come back: only when its windows' pools could hold it at all, and for ``STALL_S``."""
         if any(n > device for n, (device, _) in zip(need, mgr.window_block_counts)):
             return False
+        return self._stall()
+
+    def _stall(self) -> bool:
+        """Whether to wait on for blocks to come back: for ``STALL_S`` since the first wait of this stall."""
         now = time.monotonic()
         if self._stalled_since is None:
             self._stalled_since = now
@@ -325,12 +329,8 @@ class BatchScheduler:
     def _preempt_last(self, mgr: KVCacheManager, error: OutOfBlocksError) -> bool:
         """The step could not run: the request admitted last starts over from the queue's head. Alone, it waits
         for blocks to come back (``STALL_S`` at most, then it fails with ``error``); whether it waits."""
-        if len(self._running) == 1:
-            now = time.monotonic()
-            if self._stalled_since is None:
-                self._stalled_since = now
-            if now - self._stalled_since < STALL_S:
-                return True
+        if len(self._running) == 1 and self._stall():
+            return True
         self._stalled_since = None
         victim = self._running[-1]
         self.engine.abort(mgr, [victim.running])

@@ -178,6 +178,8 @@ def test_reserve_then_commit_counts_each_free_block_once_and_changes_no_books():
     assert mgr.scheduling_add_sequence(first) == 4          # 1 new block + A's 3 blocks, free now
     assert mgr.scheduling_add_sequence(second) == 1         # its 2 reused blocks were counted already
     assert mgr.scheduling_num_free_blocks == 1
+    assert mgr.scheduling_add_sequence(first) == 4          # added again: counted once, nothing more reserved
+    assert mgr.scheduling_num_free_blocks == 1
     mgr.scheduling_remove_sequence(2)                       # pausing request 2 would free its 2 blocks
     assert mgr.scheduling_num_free_blocks == 3
     with pytest.raises(OutOfBlocksError, match="reserving request 12 in this round: needs 5"):

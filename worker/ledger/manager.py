@@ -632,9 +632,10 @@ class KVCacheManager:
         That is its new blocks, a primary block for each host-tier block it would
         onboard, and the blocks it would reuse that are free in this round (free
         now, or tentatively released by ``scheduling_remove_sequence``), each
-        counted once per round, in every attention window. The books do not
-        change: ``add_sequences`` commits. Raises ``OutOfBlocksError`` (reserving
-        nothing) when the round lacks them.
+        counted once per round, in every attention window; a request added twice
+        in a round is counted once. The books do not change: ``add_sequences``
+        commits. Raises ``OutOfBlocksError`` (reserving nothing) when the round
+        lacks them.
         """
         request.validate()
         (plan,) = self._admit.plan([request])

@@ -17,7 +17,7 @@ from kvledger.worker.wire.errors import OutOfBlocksError
 class SchedulingRound:
     """The round's free blocks and the blocks a tentative admission already counted, per window."""
 
-    __slots__ = ("free", "taken")
+    __slots__ = ("free", "taken", "reserved")
 
     def __init__(self, windows: Sequence[WindowManager], holders: Iterable[Iterable[Iterable[Block]]] = ()) -> None:
         """Open a round: every held block's ``sched_ref_count`` starts at its ``ref_count`` (``holders``: per
@@ -28,12 +28,17 @@ class SchedulingRound:
                     b.sched_ref_count = b.ref_count
         self.free = [w.pool.num_free(PRIMARY) for w in windows]
         self.taken: list[set[int]] = [set() for _ in windows]
+        self.reserved: dict[int, int] = {}
+        """What each request reserved in this round: it is counted once, however often it is added."""
 
     def reserve(self, match: Match, new_blocks: int, request_id: int) -> int:
         """Count what admitting a request with ``match`` and ``new_blocks`` new blocks per window would take out of
         the free queues: its new blocks, a primary block for each host-tier block it would onboard, and the
         blocks it would reuse that are free in this round, each counted once per round. Returns the blocks of
-        every window; raises ``OutOfBlocksError`` (reserving nothing) when some window lacks them."""
+        every window; raises ``OutOfBlocksError`` (reserving nothing) when some window lacks them. A request
+        reserved already in this round reserves nothing more: what it took is returned again."""
+        if request_id in self.reserved:
+            return self.reserved[request_id]
         takes, reused_of = [], []
         for w, (free, taken) in enumerate(zip(self.free, self.taken)):
             reused = [b for b in match.to_onboard(w) if b.block_id not in taken]
@@ -47,6 +52,7 @@ class SchedulingRound:
         for w, (take, reused) in enumerate(zip(takes, reused_of)):
             self.free[w] -= take
             self.taken[w].update(b.block_id for b in reused)
+        self.reserved[request_id] = sum(takes)
         return sum(takes)
 
     def release(self, holders: Sequence[Iterable[Iterable[Block]]]) -> None:

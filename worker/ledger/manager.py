@@ -157,7 +157,8 @@ class KVCacheManager:
             raise ValueError(f"add_context_chunk: num_tokens must be None or an int >= 1, got {num_tokens!r}")
         start, end = seq.num_tokens, min(prompt, seq.num_tokens + size)
         need, tails = self._chunk_blocks(seq, end)
-        self._check_growth(request_id, "admitting a context chunk of", [need + tails] + [need] * (len(seq.windows) - 1))
+        self._check_growth(f"admitting a context chunk of request {request_id}",
+                           [need + tails] + [need] * (len(seq.windows) - 1))
         self._storer.store(seq, start // self.tokens_per_block)
         first_new = len(seq.blocks)
         w0 = self._windows[0]
@@ -171,13 +172,13 @@ class KVCacheManager:
         self.pools.flush()
         return start, end
 
-    def _check_growth(self, request_id: int, what: str, needs: Seq[int], gains: Seq[int] = ()) -> None:
+    def _check_growth(self, what: str, needs: Seq[int], gains: Seq[int] = ()) -> None:
         """Raise ``OutOfBlocksError`` unless every window has its ``needs`` free (counting the ``gains`` that a sliding
         window frees first)."""
         for w, need in zip(self._windows, needs):
             free = w.pool.num_free(PRIMARY) + (gains[w.index] if gains else 0)
             if need > free:
-                raise OutOfBlocksError(need, free, f"{what} request {request_id}{self._admit.in_window(w)}")
+                raise OutOfBlocksError(need, free, f"{what}{self._admit.in_window(w)}")
 
     def _apply_retention(self, seq: Sequence, first: int) -> None:
         for w, blocks in zip(self._windows, seq.windows):
@@ -266,10 +267,11 @@ class KVCacheManager:
         need = max(0, -(-(seq.num_tokens + n) // T) - len(seq.blocks))
         old = seq.num_tokens
         if not self._windowed:
-            self._check_growth(request_id, "growing", (need * seq.request.beam_width,))   # every beam grows alike
+            # every beam grows alike
+            self._check_growth(f"growing request {request_id}", (need * seq.request.beam_width,))
         else:
             out = [w.sliding_out(blocks, start, old) for w, blocks, start in zip(self._windows, seq.windows, seq.slid)]
-            self._check_growth(request_id, "growing", [need] * len(out),
+            self._check_growth(f"growing request {request_id}", [need] * len(out),
                                [sum(1 for b in o if b.ref_count == 1) for o in out])
             if not seq.opaque:   # store what the window is about to release: every token before ``old`` is written
                 self._storer.store(seq, old // T)
@@ -546,11 +548,7 @@ class KVCacheManager:
         nothing: each window grows alike and draws on its own pool, so each window's need is held against that
         window's free blocks, never against the sum over windows."""
         need = sum(self._decode_blocks(self._running(rid), False) for rid in request_ids)
-        for w in self._windows:
-            free = w.pool.num_free(PRIMARY)
-            if need > free:
-                raise OutOfBlocksError(need, free, f"decode step of request(s) {list(request_ids)}"
-                                                   f"{self._admit.in_window(w)}")
+        self._check_growth(f"decode step of request(s) {list(request_ids)}", [need] * len(self._windows))
 
     def _decode_blocks(self, seq: Sequence, two_steps_lookahead: bool) -> int:
         """Blocks one window of decoding ``seq`` allocates in its next step (two, looking ahead)."""

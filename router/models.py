@@ -36,6 +36,21 @@ class Model:
     def info(self) -> EngineInfo:
         return self.infos[0]
 
+    def check(self, job: Generation) -> None:
+        """Bad input for every engine of this model raises ``ParamError``/``ValueError`` now, before routing: a
+        token outside the vocabulary, more tokens than any engine's context holds, what the engine refuses."""
+        vocab = self.info.vocab_size
+        if vocab is not None and max(job.tokens) >= vocab:
+            raise ParamError("prompt", f"token {max(job.tokens)} is outside the vocabulary 0..{vocab - 1}")
+        need = len(job.tokens) + job.max_tokens
+        limits = [i.max_context for i in self.infos if i.max_context]
+        if limits and need > max(limits):
+            raise ParamError("prompt", f"this model's maximum context length is {max(limits)} tokens; the request "
+                                       f"needs {need} ({len(job.tokens)} in the prompt, {job.max_tokens} to "
+                                       "generate)")
+        if self.engine is not None:
+            self.engine.check(job)
+
 
 class Models:
     """The catalogue over ``Engines`` (see the module docstring)."""
@@ -88,23 +103,3 @@ class Models:
             raise ParamError("messages", f"model {m.name!r} has no chat template (none in its "
                                          "tokenizer_config.json); use /v1/completions")
         return m.name, m.info.tokenizer.encode(template.render(messages), add_special_tokens=False)
-
-    def check(self, model: str, job: Generation) -> None:
-        """Bad input for every engine of ``model`` raises ``ParamError``/``ValueError`` now, before routing: a
-        token outside the vocabulary, more tokens than any engine's context holds, what the engine refuses."""
-        m = self.get(model)
-        vocab = m.info.vocab_size
-        if vocab is not None and max(job.tokens) >= vocab:
-            raise ParamError("prompt", f"token {max(job.tokens)} is outside the vocabulary 0..{vocab - 1}")
-        need = len(job.tokens) + job.max_tokens
-        limits = [i.max_context for i in m.infos if i.max_context]
-        if limits and need > max(limits):
-            raise ParamError("prompt", f"this model's maximum context length is {max(limits)} tokens; the request "
-                                       f"needs {need} ({len(job.tokens)} in the prompt, {job.max_tokens} to "
-                                       "generate)")
-        if m.engine is not None:
-            m.engine.check(job)
-
-    def serving(self, model: str) -> set[int]:
-        """The ranks serving ``model``."""
-        return set(self.get(model).ranks)

@@ -30,7 +30,7 @@ from kvledger.router.engine import Capability, Engine, Generated, Generation, ca
 from kvledger.router.engines import EngineCannotError, Engines
 from kvledger.router.feed import EventFeed
 from kvledger.router.load import Dispatch, Ended, LoadAccount, ReportedQueue
-from kvledger.router.models import Models
+from kvledger.router.models import Model, Models
 from kvledger.router.numbering import SequencedIndex
 from kvledger.router.openai_types import MAX_N
 from kvledger.router.policies import NoLiveRankError, RouteDecision, RouteRequest, RoutingPolicy
@@ -171,7 +171,7 @@ class RouterService:
         """Where the policy would send this prompt now (nothing is sent or recorded)."""
         req = RouteRequest.of(tokens, self.config.tokens_per_block, max_tokens=max_tokens, cache_salt=cache_salt,
                               lora_id=lora_id)
-        return self._decide(req, self.models.get(model).name, frozenset(), record=False)
+        return self._decide(req, self.models.get(model), frozenset(), record=False)
 
     def _match(self, req: RouteRequest) -> dict[int, PrefixMatch]:
         t0 = time.perf_counter()
@@ -179,12 +179,12 @@ class RouterService:
         self.tally.probed(time.perf_counter() - t0)
         return matches
 
-    def _decide(self, req: RouteRequest, model: str, exclude: frozenset[int], record: bool) -> RouteDecision:
-        serving = self.models.serving(model)
+    def _decide(self, req: RouteRequest, model: Model, exclude: frozenset[int], record: bool) -> RouteDecision:
+        serving = set(model.ranks)
         engines = self.engines.live_engines()
         live = [r for r in engines if r not in exclude and r in serving]
         if not live:
-            raise NoLiveRankError(f"no live rank serves {model}"
+            raise NoLiveRankError(f"no live rank serves {model.name}"
                                   + (f" (ranks {sorted(exclude)} died)" if exclude else ""))
         matches = self._match(req)
         fixed = [r for r in live if not engines[r].info().can(Capability.MIGRATION)]
@@ -210,10 +210,10 @@ class RouterService:
         when there is no room for it now: the router's queue is full (``RouterConfig.max_queued_completions``),
         or the engine's.
         """
-        name, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
+        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
         held = self._hold()
         try:
-            return self._serve(req, job, name, None)
+            return self._serve(req, job, m, None)
         finally:
             held.release()
 
@@ -223,29 +223,30 @@ class RouterService:
         """``complete``, streamed: it returns once the engine's first chunk is in (an engine lost before that is
         decided around); one lost later ends the stream with an error chunk. The admission slot is held until
         the stream ends."""
-        name, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
+        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
         held = self._hold()
         try:
-            return self._serve(req, job, name, held)
+            return self._serve(req, job, m, held)
         except BaseException:
             held.release()
             raise
 
     def _job(self, prompt_tokens: Sequence[int], max_tokens: int, cache_salt: str | None, lora_id: int | None,
              priority: int | None, model: str | None, fields: dict | None, chat: bool,
-             n: int) -> tuple[str, RouteRequest, Generation]:
-        """The request checked against the model's engines before anything is sent."""
+             n: int) -> tuple[Model, RouteRequest, Generation]:
+        """The request's model (looked up once for all its routing) and the request checked against that model's
+        engines before anything is sent."""
         if type(max_tokens) is not int or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         if type(n) is not int or not 1 <= n <= MAX_N:
             raise ValueError(f"n must be an int in 1..{MAX_N}, got {n!r}")
-        name = self.models.get(model).name
+        m = self.models.get(model)
         req = RouteRequest.of(prompt_tokens, self.config.tokens_per_block, max_tokens=max_tokens,
                               cache_salt=cache_salt, lora_id=lora_id)
         job = Generation(next(self._request_ids), list(req.tokens), max_tokens, n, dict(fields or {}), chat,
                          cache_salt, lora_id, priority)
-        self.models.check(name, job)
-        return name, req, job
+        m.check(job)
+        return m, req, job
 
     def _hold(self) -> Held:
         """A generation's admission slot; ``OverloadedError`` (the request shed) when the router is full."""
@@ -255,13 +256,13 @@ class RouterService:
             self.tally.shed()
             raise OverloadedError(f"{e}; retry shortly") from e
 
-    def _serve(self, req: RouteRequest, job: Generation, name: str,
+    def _serve(self, req: RouteRequest, job: Generation, model: Model,
                stream: Held | None) -> CompletionResult | Streamed:
         """The one retry loop: decide, migrate, dispatch; whole, or (holding ``stream``'s slot) streamed."""
         died: set[int] = set()
         try:
             while True:
-                decision, migrated = self._place(req, name, died)
+                decision, migrated = self._place(req, model, died)
                 if decision is None:
                     continue
                 rank = decision.rank
@@ -288,7 +289,7 @@ class RouterService:
                 if stream is not None:
                     return self._relay(rank, predicted, migrated, len(req.tokens), dispatch, first, chunks, stream)
                 self._finished(dispatch)
-                return self._result(job, got, rank, name, decision, predicted, migrated, len(died))
+                return self._result(job, got, rank, model.name, decision, predicted, migrated, len(died))
         except OverloadedError:
             self.tally.shed()
             raise
@@ -319,7 +320,7 @@ class RouterService:
             held.release()
         self.tally.served(rank, prompt_len, predicted, cached, migrated)
 
-    def _place(self, req: RouteRequest, model: str, died: set[int]) -> tuple[RouteDecision | None, int]:
+    def _place(self, req: RouteRequest, model: Model, died: set[int]) -> tuple[RouteDecision | None, int]:
         """Decide, and migrate the prefix if the decision says so; ``(None, 0)``: a rank died, decide again."""
         if len(died) > self.config.max_retries:
             raise NoLiveRankError(f"ranks {sorted(died)} died serving the request")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from ledger_helpers import FakeClock, make_manager, make_request, read_kv, serve, token_value, write_kv
 
-from kvledger.worker.ledger import MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange, block_hashes
+from kvledger.worker.ledger import (KVCacheManager, MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange,
+                                    block_hashes)
 from kvledger.worker.ledger.block import PRIMARY, SECONDARY
 from kvledger.worker.wire.events import BlockRemoved, BlockStored, BlockUpdated
 
@@ -143,14 +144,20 @@ def test_evicting_a_middle_block_keeps_its_descendants():
     mgr.check_integrity()
 
 
-def test_retention_expires_by_injected_clock():
-    clock = FakeClock()
+def kept_ten_seconds_beside_priority_50(clock: FakeClock) -> KVCacheManager:
+    """A 4-block ledger holding, released, request 1's blocks at priority 90 for 10 s and request 2's at 50."""
     mgr = make_manager(primary=4, clock=clock)
     keep = RetentionConfig(ranges=[TokenRange(0, None, priority=90, duration_s=10)])
     serve(mgr, make_request(1, A[:8], retention=keep))
     mgr.remove_sequence(1)
     serve(mgr, make_request(2, [5] * 8, retention=RetentionConfig(ranges=[TokenRange(0, None, priority=50)])))
     mgr.remove_sequence(2)
+    return mgr
+
+
+def test_retention_expires_by_injected_clock():
+    clock = FakeClock()
+    mgr = kept_ten_seconds_beside_priority_50(clock)
     clock.now += 11
     mgr.take_events()
     mgr.refresh_blocks()
@@ -315,12 +322,7 @@ def test_retention_counts_from_release_and_only_free_blocks_expire():
 
 def test_retention_holds_before_it_expires():
     clock = FakeClock()
-    mgr = make_manager(primary=4, clock=clock)
-    keep = RetentionConfig(ranges=[TokenRange(0, None, priority=90, duration_s=10)])
-    serve(mgr, make_request(1, A[:8], retention=keep))
-    mgr.remove_sequence(1)
-    serve(mgr, make_request(2, [5] * 8, retention=RetentionConfig(ranges=[TokenRange(0, None, priority=50)])))
-    mgr.remove_sequence(2)
+    mgr = kept_ten_seconds_beside_priority_50(clock)
     clock.now += 9
     mgr.add_sequence(make_request(3, [9] * 8))
     assert mgr.probe_prefix_match_length(A[:8] + [0]) == 8

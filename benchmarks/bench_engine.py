@@ -24,6 +24,7 @@ import torch
 
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request
+from kvledger.worker.rank.batch import BatchDriver
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -37,7 +38,7 @@ class Sample:
 
 def run_once(engine: ReferenceEngine, mgr: KVCacheManager, rid: int, tokens: list[int]) -> Sample:
     t0 = time.perf_counter()
-    (res,) = engine.serve(mgr, [Request(request_id=rid, tokens=tokens, max_new_tokens=1)])
+    (res,) = BatchDriver(engine).serve(mgr, [Request(request_id=rid, tokens=tokens, max_new_tokens=1)])
     return Sample(time.perf_counter() - t0, res.cached_tokens, res.computed_tokens)
 
 

@@ -94,12 +94,9 @@ class OwnEngine:
         checked; ``ValueError`` names a bad one."""
         if not 1 <= job.n <= MAX_N:
             raise ParamError("n", f"n must be 1..{MAX_N}, got {job.n!r}")
-        out = [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
+        return [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
                        retention=retention_for(job.priority), sampling=sampling_of(job, self._info.model, i))
                for i in range(job.n)]
-        for r in out:
-            r.validate()
-        return out
 
     def check(self, job: Generation) -> None:
         self.requests(job)

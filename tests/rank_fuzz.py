@@ -26,6 +26,7 @@ import torch
 
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
+from kvledger.worker.rank.batch import BatchDriver
 from kvledger.worker.rank.scheduler import BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.request import GREEDY, Request, Sampling
@@ -58,7 +59,7 @@ def scratch(cfg: CacheConfig, r: Request) -> list[int]:
     big = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=256, attention_windows=cfg.attention_windows)
     alone = Request(0, r.tokens, r.max_new_tokens, sampling=r.sampling)
-    (res,) = ReferenceEngine(big).serve(KVCacheManager(big), [alone])
+    (res,) = BatchDriver(ReferenceEngine(big)).serve(KVCacheManager(big), [alone])
     return res.output_tokens
 
 

@@ -134,7 +134,7 @@ def test_migration_steps_pin_allocate_and_release(ranks):
 @pytest.mark.parametrize("bad, exc, what", [
     ({"request_id": 1, "tokens": [1, 2]}, TypeError, "Request"),
     (Request(1, [1, 2, 700]), ValueError, "vocabulary"),
-    (Request(1, []), ValueError, "empty"),
+    (Request(1, [1, 2], 0, beam_width=2), ValueError, "no new tokens"),
 ])
 def test_bad_input_is_refused_as_itself_and_changes_nothing(ranks, bad, exc, what):
     client = ranks.client(0)

@@ -11,8 +11,8 @@ from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
 from kvledger.router.config import RouterConfig
 from kvledger.router.service import RouterService
-from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig
+from kvledger.worker.rank.batch import BatchDriver
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.request import Request
 
@@ -21,7 +21,7 @@ TIMEOUT = 60
 
 
 def gated_worker_class() -> type[RankWorker]:
-    """``RankWorker`` whose engine can hold one request mid-decode, at a gate the test opens.
+    """``RankWorker`` whose batch driver can hold one request mid-decode, at a gate the test opens.
 
     The request is admitted, prefilled and running (its blocks held, ``running_requests`` 1) while it waits,
     so a test can kill its rank mid-request without racing the decode. Unarmed, the rank serves as any other
@@ -29,7 +29,7 @@ def gated_worker_class() -> type[RankWorker]:
     actor's process does not have tests/ on its path.
     """
 
-    class GatedEngine(ReferenceEngine):
+    class GatedDriver(BatchDriver):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.armed = False
@@ -48,22 +48,22 @@ def gated_worker_class() -> type[RankWorker]:
     class GatedWorker(RankWorker):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.engine = self.server.engine = self.server.scheduler.engine = GatedEngine(self.template, seed=self.seed)
+            self.gated = self.server.scheduler.driver = GatedDriver(self.engine)
 
         def hold_next_decode(self) -> None:
-            self.engine.armed, self.engine.holding = True, False
-            self.engine.wake.clear()
-            self.engine.gate.clear()
+            self.gated.armed, self.gated.holding = True, False
+            self.gated.wake.clear()
+            self.gated.gate.clear()
 
         def wait_held(self, timeout_s: float) -> bool:
             """Whether a request is held at the gate (waits up to ``timeout_s`` for one, or for the gate to open)."""
-            self.engine.wake.wait(timeout_s)
-            return self.engine.holding
+            self.gated.wake.wait(timeout_s)
+            return self.gated.holding
 
         def open_gate(self) -> None:
-            self.engine.armed = False
-            self.engine.gate.set()
-            self.engine.wake.set()
+            self.gated.armed = False
+            self.gated.gate.set()
+            self.gated.wake.set()
 
     return GatedWorker
 

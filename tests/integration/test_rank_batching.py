@@ -23,6 +23,7 @@ from kvledger.router.config import RouterConfig
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.engine.tokenizer import encode
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
+from kvledger.worker.rank.batch import BatchDriver
 from kvledger.worker.wire.messages import RankBusyError
 from kvledger.worker.wire.request import Request
 
@@ -60,7 +61,7 @@ def routed(ray_session):
 def scratch(tokens: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and last-prompt logits of a fresh ledger computing everything."""
     engine = ReferenceEngine(cache(), seed=0)
-    (res,) = engine.serve(KVCacheManager(cache()), [Request(0, list(tokens), max_new)])
+    (res,) = BatchDriver(engine).serve(KVCacheManager(cache()), [Request(0, list(tokens), max_new)])
     return res.output_tokens, res.last_logits
 
 

@@ -14,10 +14,12 @@ import random
 import pytest
 import torch
 
-from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
+from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError, Request
+from kvledger.worker.rank.batch import BatchDriver, ServeResult
 from kvledger.worker.wire.events import BlockRemoved
+from kvledger.worker.wire.request import Sampling
 
 ATOL = RTOL = 1e-4
 T = 4
@@ -45,9 +47,16 @@ def req(toks: list[int], max_new: int = 4, **kw: object) -> Request:
 
 
 def serve_one(engine: ReferenceEngine, mgr: KVCacheManager, r: Request) -> ServeResult:
-    (res,) = engine.serve(mgr, [r])
+    (res,) = BatchDriver(engine).serve(mgr, [r])
     mgr.check_integrity()
     assert mgr.stats().used_num_blocks == 0, "serve must release every block it took"
+    return res
+
+
+def beam_search(engine: ReferenceEngine, mgr: KVCacheManager, r: Request) -> ServeResult:
+    """A beam search served alone, through the batch like any request; its beams are ``.beams``."""
+    (res,) = BatchDriver(engine).serve(mgr, [r])
+    assert res.beams is not None and res.output_tokens == res.beams.tokens[0]
     return res
 
 
@@ -220,7 +229,7 @@ def test_a_batch_of_different_lengths_served_together(dtype: torch.dtype, device
     serve_one(engine, mgr, req(shared + tokens(3, seed=16)))
     batch = [req(tokens(5, seed=17), max_new=0), req(shared + tokens(13, seed=18), max_new=3),
              req(tokens(41, seed=19), max_new=7), req(shared[:9], max_new=2, lora_id=3)]
-    got = engine.serve(mgr, batch)
+    got = BatchDriver(engine).serve(mgr, batch)
     mgr.check_integrity()
     assert [g.request_id for g in got] == [r.request_id for r in batch]
     assert [g.cached_tokens for g in got] == [0, 20, 0, 0]
@@ -234,7 +243,7 @@ def test_running_out_of_blocks_while_decoding_leaves_no_poisoned_cache() -> None
     engine, mgr = ReferenceEngine(cfg, seed=9), KVCacheManager(cfg)
     r = req(tokens(15, seed=20), max_new=20)  # 35 tokens need 9 blocks, the pool has 6
     with pytest.raises(OutOfBlocksError):
-        engine.serve(mgr, [r])
+        BatchDriver(engine).serve(mgr, [r])
     mgr.check_integrity()
     assert mgr.stats().used_num_blocks == 0
     again = req(r.tokens, max_new=3)
@@ -248,15 +257,15 @@ def test_bad_input_is_refused_before_the_ledger_changes() -> None:
     engine, mgr = ReferenceEngine(cfg), KVCacheManager(cfg)
     mgr.take_events()
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.serve(mgr, [req([1, 2, VOCAB_SIZE])])
+        BatchDriver(engine).serve(mgr, [req([1, 2, VOCAB_SIZE])])
     with pytest.raises(TypeError, match="Request"):
-        engine.serve(mgr, [object()])  # type: ignore[list-item]
+        BatchDriver(engine).serve(mgr, [object()])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="tokens_per_block"):
-        engine.serve(KVCacheManager(make_config(tokens_per_block=8)), [req([1, 2])])
+        BatchDriver(engine).serve(KVCacheManager(make_config(tokens_per_block=8)), [req([1, 2])])
     with pytest.raises(ValueError, match="materialize"):
-        engine.serve(KVCacheManager(make_config(materialize=False)), [req([1, 2])])
+        BatchDriver(engine).serve(KVCacheManager(make_config(materialize=False)), [req([1, 2])])
     assert mgr.take_events() == [] and mgr.stats().alloc_total_blocks == 0
-    assert engine.serve(mgr, []) == []
+    assert BatchDriver(engine).serve(mgr, []) == []
 
 
 def test_a_speculative_step_with_rejected_drafts_gives_the_logits_of_the_accepted_sequence() -> None:
@@ -312,7 +321,7 @@ def test_a_chunked_prefill_over_partially_reused_blocks() -> None:
     holder = req(shared + tokens(1, seed=52), max_new=0)
     mgr.add_sequence(holder)                                   # holds the stored blocks: the partial one is copied
     r2 = req(shared[:10] + tokens(25, seed=54))
-    (got2,) = ReferenceEngine(cfg).serve(mgr, [r2])
+    (got2,) = BatchDriver(ReferenceEngine(cfg)).serve(mgr, [r2])
     assert got2.cached_tokens == 10
     assert_matches_scratch(engine, cfg, r2, got2)
     mgr.remove_sequence(holder.request_id, store=False)
@@ -324,7 +333,7 @@ def test_a_batch_prefilled_in_chunks_of_different_counts(device: str) -> None:
     cfg = make_config(device=device)
     engine, mgr = ReferenceEngine(cfg), KVCacheManager(make_config(device=device, context_chunk_size=8))
     batch = [req(tokens(n, seed=60 + n), max_new=3) for n in (3, 17, 30)]
-    got = engine.serve(mgr, batch)
+    got = BatchDriver(engine).serve(mgr, batch)
     mgr.check_integrity()
     for r, g in zip(batch, got):
         assert_matches_scratch(engine, cfg, r, g)
@@ -375,26 +384,18 @@ def test_every_beam_attends_to_its_own_sequence(prompt_len: int, device: str) ->
     cfg = make_config(device=device)
     engine, mgr = ReferenceEngine(cfg), KVCacheManager(cfg)
     prompt = tokens(prompt_len, seed=80)
-    got = engine.beam_search(mgr, req(prompt, max_new=6, beam_width=3))
+    got = beam_search(engine, mgr, req(prompt, max_new=6, beam_width=3))
     mgr.check_integrity()
     assert mgr.stats().used_num_blocks == 0
-    assert len(got.beams) == 3 and len({tuple(b) for b in got.beams}) == 3
-    assert got.copied_blocks > 0, "no beam took up another's hypothesis: the copies went untested"
-    assert got.scores == sorted(got.scores, reverse=True)
-    for beam, score, last in zip(got.beams, got.scores, got.last_logits):
+    beams = got.beams
+    assert len(beams.tokens) == 3 and len({tuple(b) for b in beams.tokens}) == 3
+    assert beams.copied_blocks > 0, "no beam took up another's hypothesis: the copies went untested"
+    assert beams.scores == sorted(beams.scores, reverse=True)
+    for beam, score, last in zip(beams.tokens, beams.scores, beams.last_logits):
         ref = scratch_logits(engine, cfg, prompt + beam)
         assert torch.allclose(last, ref[-1], atol=ATOL, rtol=RTOL)
         logp = torch.log_softmax(ref[prompt_len - 1:-1], dim=-1)
         assert abs(sum(logp[i, t].item() for i, t in enumerate(beam)) - score) < 1e-3
-
-
-def test_a_beam_search_of_one_beam_is_greedy_decoding() -> None:
-    cfg = make_config()
-    engine = ReferenceEngine(cfg)
-    r = req(tokens(9, seed=81), max_new=5)
-    greedy = serve_one(engine, KVCacheManager(cfg), r)
-    got = engine.beam_search(KVCacheManager(cfg), req(r.tokens, max_new=5, beam_width=1))
-    assert got.beams == [greedy.output_tokens] and got.copied_blocks == 0
 
 
 def test_beams_over_a_reused_chunked_context() -> None:
@@ -404,9 +405,9 @@ def test_beams_over_a_reused_chunked_context() -> None:
     engine, mgr = ReferenceEngine(cfg), KVCacheManager(make_config(context_chunk_size=4))
     prompt = tokens(19, seed=82)
     serve_one(engine, mgr, req(prompt[:9], max_new=0))
-    got = engine.beam_search(mgr, req(prompt, max_new=4, beam_width=2))
+    got = beam_search(engine, mgr, req(prompt, max_new=4, beam_width=2))
     assert got.cached_tokens == 8
-    for beam, last in zip(got.beams, got.last_logits):
+    for beam, last in zip(got.beams.tokens, got.beams.last_logits):
         assert torch.allclose(last, scratch_logits(engine, cfg, prompt + beam)[-1], atol=ATOL, rtol=RTOL)
     assert mgr.probe_prefix_match_length(prompt + [1]) == 16   # the shared full blocks, nothing of the beams
     again = serve_one(engine, mgr, req(prompt, max_new=2))
@@ -414,14 +415,16 @@ def test_beams_over_a_reused_chunked_context() -> None:
     assert_matches_scratch(engine, cfg, req(prompt, max_new=2), again)
 
 
-def test_serve_refuses_beams_and_beam_search_refuses_no_tokens() -> None:
+def test_a_beam_search_refuses_no_tokens_drafts_and_sampling_changing_nothing() -> None:
     cfg = make_config()
     engine, mgr = ReferenceEngine(cfg), KVCacheManager(cfg)
     mgr.take_events()
-    with pytest.raises(ValueError, match="beam_search"):
-        engine.serve(mgr, [req([1, 2, 3], beam_width=2)])
     with pytest.raises(ValueError, match="no new tokens"):
-        engine.beam_search(mgr, req([1, 2, 3], max_new=0, beam_width=2))
+        beam_search(engine, mgr, req([1, 2, 3], max_new=0, beam_width=2))
+    with pytest.raises(ValueError, match="draft tokens"):
+        beam_search(engine, mgr, req([1, 2, 3], beam_width=2, num_draft_tokens=2))
+    with pytest.raises(ValueError, match="sample nothing"):
+        beam_search(engine, mgr, req([1, 2, 3], beam_width=2, sampling=Sampling(temperature=1.0, seed=1)))
     assert mgr.take_events() == [] and mgr.stats().alloc_total_blocks == 0
 
 
@@ -441,9 +444,9 @@ def test_layers_with_different_kv_heads_reused_offloaded_and_onboarded(device: s
     got = serve_one(engine, mgr, a2)
     assert got.cached_tokens == 26 and got.onboarded_blocks > 0
     assert_matches_scratch(engine, cfg, a2, got)
-    beams = engine.beam_search(mgr, req(a2.tokens, max_new=3, beam_width=2))
+    beams = beam_search(engine, mgr, req(a2.tokens, max_new=3, beam_width=2))
     assert beams.cached_tokens == 31
-    for beam, last in zip(beams.beams, beams.last_logits):
+    for beam, last in zip(beams.beams.tokens, beams.beams.last_logits):
         assert torch.allclose(last, scratch_logits(engine, cfg, a2.tokens + beam)[-1], atol=ATOL, rtol=RTOL)
 
 

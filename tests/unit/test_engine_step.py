@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.worker.engine.reference import ReferenceEngine, RunningRequest
+from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.engine.sampler import Sampler
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
+from kvledger.worker.rank.batch import BatchDriver, RunningRequest
 from kvledger.worker.rank.scheduler import BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.errors import OutOfBlocksError
@@ -25,19 +26,19 @@ def cache(blocks: int, chunk: int | None = 8, **kw) -> CacheConfig:
 
 def scratch(r: Request, **kw) -> list[int]:
     big = cache(64, None, **kw)
-    (res,) = ReferenceEngine(big).serve(KVCacheManager(big), [Request(0, r.tokens, r.max_new_tokens)])
+    (res,) = BatchDriver(ReferenceEngine(big)).serve(KVCacheManager(big), [Request(0, r.tokens, r.max_new_tokens)])
     return res.output_tokens
 
 
-def run(engine: ReferenceEngine, mgr: KVCacheManager, batch: list[RunningRequest], sampler: Sampler) -> dict:
+def run(driver: BatchDriver, mgr: KVCacheManager, batch: list[RunningRequest], sampler: Sampler) -> dict:
     """Step the batch to its end (bounded), finishing requests as they are done."""
     out = {}
     for _ in range(100):
         if not batch:
             return out
-        engine.step(mgr, batch, sampler)
+        driver.step(mgr, batch, sampler)
         done = [r for r in batch if r.finished]
-        out.update({res.request_id: res.output_tokens for res in engine.finish(mgr, done)})
+        out.update({res.request_id: res.output_tokens for res in driver.finish(mgr, done)})
         batch = [r for r in batch if not r.finished]
     raise AssertionError("the batch did not finish in 100 steps")
 
@@ -46,12 +47,12 @@ def test_decoders_grow_before_a_context_chunk_takes_their_block():
     """Two decoders at a block boundary need the pool's last 2 blocks in the step where a third request's next
     chunk wants 1: they grow, the chunk waits, and every output is scratch's."""
     cfg = cache(6)
-    mgr, engine, sampler = KVCacheManager(cfg), ReferenceEngine(cfg), Sampler(())
+    mgr, driver, sampler = KVCacheManager(cfg), BatchDriver(ReferenceEngine(cfg)), Sampler(())
     a, c = Request(1, [1, 2, 3, 4], 3), Request(2, [5, 6, 7, 8], 3)
     b = Request(3, list(range(10, 22)), 2)   # 12 tokens: chunks of 8 and 4
-    batch = engine.admit(mgr, [a, c, b], sampler)
+    batch = driver.admit(mgr, [a, c, b], sampler)
     assert mgr.stats().free_num_blocks == 2
-    got = run(engine, mgr, batch, sampler)
+    got = run(driver, mgr, batch, sampler)
     assert got == {r.request_id: scratch(r) for r in (a, c, b)}
     mgr.check_integrity()
 
@@ -61,14 +62,14 @@ def test_a_decode_step_is_held_against_each_windows_own_pool():
     decoders' growth (2 blocks in each window), the full window's pool alone does not; the step is refused
     before anything changes."""
     cfg = cache(5, None, attention_windows=(8, None), window_shares=(2, 1))
-    mgr, engine, sampler = KVCacheManager(cfg), ReferenceEngine(cfg), Sampler(())
-    batch = engine.admit(mgr, [Request(1, [1, 2, 3, 4], 6), Request(2, [5, 6, 7, 8], 6)], sampler)
-    engine.step(mgr, batch, sampler)   # both prompts computed; each holds one block per window
+    mgr, driver, sampler = KVCacheManager(cfg), BatchDriver(ReferenceEngine(cfg)), Sampler(())
+    batch = driver.admit(mgr, [Request(1, [1, 2, 3, 4], 6), Request(2, [5, 6, 7, 8], 6)], sampler)
+    driver.step(mgr, batch, sampler)   # both prompts computed; each holds one block per window
     full = [w for w in mgr.stats().windows if w.window is None][0]
     assert full.free_num_blocks == 1 < 2 <= mgr.stats().free_num_blocks
     before = [mgr.num_tokens(r.request.request_id) for r in batch]
     with pytest.raises(OutOfBlocksError, match="attention window"):
-        engine.step(mgr, batch, sampler)
+        driver.step(mgr, batch, sampler)
     assert [mgr.num_tokens(r.request.request_id) for r in batch] == before, "the refused step changed nothing"
     mgr.check_integrity()
 

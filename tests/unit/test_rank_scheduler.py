@@ -11,6 +11,7 @@ import torch
 
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
+from kvledger.worker.rank.batch import BatchDriver
 from kvledger.worker.rank.scheduler import BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.request import Request, Sampling
@@ -37,7 +38,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def scratch(r: Request, blocks: int) -> list[int]:
     fresh = Request(0, r.tokens, r.max_new_tokens)
-    (res,) = ReferenceEngine(cache(blocks)).serve(KVCacheManager(cache(blocks)), [fresh])
+    (res,) = BatchDriver(ReferenceEngine(cache(blocks))).serve(KVCacheManager(cache(blocks)), [fresh])
     return res.output_tokens
 
 
@@ -56,7 +57,7 @@ def serve_in_thread(w: RankWorker, r: Request, out: dict) -> threading.Thread:
     return t
 
 
-class SquattingEngine(ReferenceEngine):
+class SquattingDriver(BatchDriver):
     """Once armed, takes every free block for a squatter right before its next step, as a migration's import
     would between two steps (inside the step loop's hold of the lock: a test thread racing the loop for the lock
     might get it only after the batch finished)."""
@@ -76,7 +77,7 @@ class SquattingEngine(ReferenceEngine):
 def test_blocks_taken_from_a_running_batch_preempt_the_last_admitted_which_starts_over():
     blocks = 256
     w = worker(blocks)
-    engine = w.engine = w.server.engine = w.server.scheduler.engine = SquattingEngine(w.template, seed=w.seed)
+    engine = w.server.scheduler.driver = SquattingDriver(w.engine)
     first, second = Request(1, tokens(1, 9), 120), Request(2, tokens(2, 9), 120)
     out: dict = {}
     threads = [serve_in_thread(w, first, out)]

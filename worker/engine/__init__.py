@@ -1,15 +1,14 @@
-"""The reference engine: a tiny paged decoder that serves through a ledger's block tables (the oracle).
+"""The reference engine: a tiny paged decoder that runs over a ledger's block tables (the oracle).
 
 ``tokenizer`` is torch-free and the router imports it to turn text into token
-ids; the engine itself (``ReferenceEngine``, ``ServeResult``, ``TinyDecoder``)
-is loaded on first use, so that import does not pull in torch.
+ids; the engine itself (``ReferenceEngine``, ``TinyDecoder``) is loaded on
+first use, so that import does not pull in torch.
 """
 from __future__ import annotations
 
 import importlib
 
-_LAZY = {"BeamSearchResult": "reference", "ReferenceEngine": "reference", "ServeResult": "reference",
-         "TinyDecoder": "model"}
+_LAZY = {"ReferenceEngine": "reference", "TinyDecoder": "model"}
 
 
 def __getattr__(name: str) -> object:

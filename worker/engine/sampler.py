@@ -66,6 +66,23 @@ class Sampler:
                     out.top.append(list(zip(ids.tolist(), values.tolist())))
         return chosen
 
+    def accept(self, logits: torch.Tensor, request: Request, drafts: Sequence[int]) -> list[int]:
+        """The tokens a step that checked ``drafts`` emits, from its logits ``[1 + len(drafts), vocab]`` (row ``j``
+        after the step's ``j``-th input): each row's pick in order, up to the first that differs from the draft
+        it checks, and that pick too (after the last draft, the pick that follows it).
+
+        The pick at row ``j`` is the one decoding without drafts would make
+        there, since every draft before it was accepted; a seeded request draws
+        once per emitted token, so it emits the tokens it would emit drafting
+        nothing."""
+        out: list[int] = []
+        for j in range(len(drafts) + 1):
+            (t,) = self.pick(logits[j:j + 1], [request])
+            out.append(t)
+            if j == len(drafts) or t != drafts[j]:
+                break
+        return out
+
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
         s = r.sampling
         scaled = logits / s.temperature

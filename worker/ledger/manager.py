@@ -58,6 +58,12 @@ def _checked(method: Callable[..., R]) -> Callable[..., R]:
     return call
 
 
+def _require_request(what: str, r: object) -> None:
+    """A ``Request`` is valid once made (``Request.__post_init__``): only its type is left to check."""
+    if not isinstance(r, Request):
+        raise TypeError(f"{what} takes Request objects, got {type(r).__name__}")
+
+
 class KVCacheManager:
     """The books of one rank's KV blocks: who holds which block, where its data lives, what is reusable."""
 
@@ -116,9 +122,7 @@ class KVCacheManager:
         """
         ids = set()
         for r in requests:
-            if not isinstance(r, Request):
-                raise TypeError(f"add_sequences takes Request objects, got {type(r).__name__}")
-            r.validate()
+            _require_request("add_sequences", r)
             if r.request_id in self._seqs or r.request_id in self._pinned or r.request_id in ids:
                 raise ValueError(f"request {r.request_id} is already in the ledger")
             if r.beam_width > 1 and self._windowed:
@@ -562,7 +566,7 @@ class KVCacheManager:
         with several windows, the sum of their blocks and the least of their reuse) plus the sink bubble,
         the tail per beam, less the matched blocks running requests hold; and the prompt tokens the prefix tree is
         expected to supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
-        request.validate()
+        _require_request("get_context_budget", request)
         T = self.tokens_per_block
         n = len(request.tokens)
         reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
@@ -584,7 +588,7 @@ class KVCacheManager:
         """``get_remaining_blocks_to_completion`` per window, in ``window_block_counts`` order: what each window's
         own pool must still supply. Before admission the prefix tree's reusable blocks are taken off the full
         attention windows only (a sliding window may hold none of them when it needs its blocks)."""
-        request.validate()
+        _require_request("remaining_blocks_by_window", request)
         total = blocks_to_completion(len(request.tokens), request.max_new_tokens, request.num_draft_tokens,
                                      request.beam_width, self.tokens_per_block)
         seq = self._seqs.get(request.request_id)
@@ -635,7 +639,7 @@ class KVCacheManager:
         commits. Raises ``OutOfBlocksError`` (reserving nothing) when the round
         lacks them.
         """
-        request.validate()
+        _require_request("scheduling_add_sequence", request)
         (plan,) = self._admit.plan([request])
         return self._round.reserve(plan.match, plan.new_blocks, request.request_id)
 

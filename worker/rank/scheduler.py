@@ -3,7 +3,7 @@
 Bounded as vLLM bounds it: at most ``max_num_seqs`` requests run, and a step
 computes at most ``max_num_batched_tokens`` tokens (a token per decoding
 request, then context chunks first come first served; a long prompt is
-prefilled in chunks over several steps, ``ReferenceEngine.step``). Requests
+prefilled in chunks over several steps, ``BatchDriver.step``). Requests
 wait in a first-come-first-served queue of at most ``max_queued_requests``;
 past it a rank answers ``RankBusyError`` at once, changing nothing.
 
@@ -30,9 +30,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvledger.worker.engine.reference import ReferenceEngine, RunningRequest, ServeResult, StepRecord
+from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.engine.sampler import Sampler
 from kvledger.worker.ledger.manager import KVCacheManager
+from kvledger.worker.rank.batch import BatchDriver, RunningRequest, ServeResult, StepRecord
 from kvledger.worker.rank.books import RankBooks
 from kvledger.worker.wire.batches import PublishedBatch
 from kvledger.worker.wire.errors import OutOfBlocksError, RankNotReadyError
@@ -141,7 +142,7 @@ class BatchScheduler:
 
     def __init__(self, books: RankBooks, engine: ReferenceEngine, config: BatchingConfig = BatchingConfig()) -> None:
         self.books = books
-        self.engine = engine
+        self.driver = BatchDriver(engine)
         self.config = config
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Entry] = collections.deque()
@@ -224,7 +225,7 @@ class BatchScheduler:
             return blocked
         batch = [e.running for e in self._running]
         try:
-            record = self.engine.step(mgr, batch, self._sampler, self.config.max_num_batched_tokens)
+            record = self.driver.step(mgr, batch, self._sampler, self.config.max_num_batched_tokens)
         except OutOfBlocksError as e:
             return self._preempt_last(mgr, e)
         self._stalled_since = None
@@ -255,7 +256,7 @@ class BatchScheduler:
                     if n > f:
                         raise OutOfBlocksError(n, f, f"request {head.request.request_id} to completion"
                                                      + (f" in attention window {w}" if len(free) > 1 else ""))
-                (head.running,) = self.engine.admit(mgr, [head.request], self._sampler)
+                (head.running,) = self.driver.admit(mgr, [head.request], self._sampler)
             except OutOfBlocksError as e:
                 if self._running:
                     return False   # it waits for the running requests to finish
@@ -302,7 +303,7 @@ class BatchScheduler:
 
     def _finish(self, mgr: KVCacheManager, record: StepRecord) -> None:
         done = [e for e in self._running if e.running.finished]
-        results = self.engine.finish(mgr, [e.running for e in done])
+        results = self.driver.finish(mgr, [e.running for e in done])
         with self._cv:
             c = self._counts
             c.steps += 1
@@ -333,7 +334,7 @@ class BatchScheduler:
             return True
         self._stalled_since = None
         victim = self._running[-1]
-        self.engine.abort(mgr, [victim.running])
+        self.driver.abort(mgr, [victim.running])
         self._sampler.drop(victim.request.request_id)
         victim.running = None
         with self._cv:
@@ -353,7 +354,7 @@ class BatchScheduler:
         and their callers hear why."""
         with self.books.lock:
             if self.books.manager is not None:
-                self.engine.abort(self.books.manager, [e.running for e in self._running])
+                self.driver.abort(self.books.manager, [e.running for e in self._running])
         with self._cv:
             failed, self._running = self._running, []
             if queued:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
+from kvledger.worker.engine.reference import ReferenceEngine
+from kvledger.worker.rank.batch import ServeResult
 from kvledger.worker.rank.books import RankBooks
 from kvledger.worker.rank.scheduler import BatchingConfig, BatchScheduler
 from kvledger.worker.wire.messages import RankLoad, ServeOutcome, ServeReply
@@ -35,7 +36,7 @@ class RankServer:
         for r in reqs:
             if not isinstance(r, Request):
                 raise TypeError(f"serve takes kvledger Request objects, got {type(r).__name__}")
-        self.engine.check(self.books.ledger(), reqs, beams=False)
+        self.engine.check(self.books.ledger(), reqs)
         served = self.scheduler.serve(reqs, publish)
         return ServeReply([self._outcome(r, logits, steps) for r, steps in zip(served.results, served.steps)],
                           served.events)

@@ -108,9 +108,15 @@ class Sampling:
 GREEDY = Sampling()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Request:
-    """One generation request: its prompt and what its KV may be shared with."""
+    """One generation request: its prompt and what its KV may be shared with.
+
+    Checked once, when it is made (``__post_init__`` raises naming the first bad
+    field), and never changed after: whoever holds a ``Request`` holds a valid
+    one, so the ledger, the scheduler and the engine take it as it is. Its
+    ``tokens`` list is the request's own; nobody mutates it.
+    """
 
     request_id: int
     tokens: list[int]
@@ -128,8 +134,7 @@ class Request:
     block boundary) and each holds its own blocks past them; block budgets count every beam."""
     sampling: Sampling = GREEDY
 
-    def validate(self) -> None:
-        """Raise naming the first bad field; the ledger calls this before touching anything."""
+    def __post_init__(self) -> None:
         if not isinstance(self.request_id, int) or isinstance(self.request_id, bool):
             raise TypeError(f"request_id must be an int, got {self.request_id!r}")
         validate_prompt(self.tokens, self.lora_id, self.cache_salt, self.mm_keys, self.extra_ids)

@@ -8,7 +8,7 @@ import torch
 
 from kvledger.worker.device import DeviceChoice
 from kvledger.worker.ledger.config import CacheConfig
-from kvledger.worker.rank.scheduler import BatchingConfig
+from kvledger.worker.rank.scheduler import BatchingConfig, CapacityPolicy
 
 MiB = 1 << 20
 
@@ -60,6 +60,11 @@ class ClusterConfig:
     """Tokens one step of a rank computes at most (one per decoding request; long prompts prefill in chunks)."""
     max_queued_requests: int = BatchingConfig().max_queued_requests
     """Requests waiting on each rank to join its batch; past it the rank refuses (the router answers 429)."""
+    capacity_policy: CapacityPolicy = BatchingConfig().capacity_policy
+    """How each rank admits blocks: ``guaranteed_no_evict`` (to completion; nothing admitted is paused) or
+    ``max_utilization`` (the next step's; more run at once, the latest admitted pauses when a step is short)."""
+    num_speculative_tokens: int = BatchingConfig().num_speculative_tokens
+    """Draft tokens each decode step proposes by prompt lookup and the model checks (0: none)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 0:
@@ -82,4 +87,5 @@ class ClusterConfig:
 
     def batching(self) -> BatchingConfig:
         """Each rank's batch and queue bounds."""
-        return BatchingConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_queued_requests)
+        return BatchingConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_queued_requests,
+                              self.capacity_policy, self.num_speculative_tokens)

@@ -3,14 +3,16 @@
 Each round builds a rank (``RankWorker``, no Ray) on a pool small enough to
 force waiting and preemption, drawn from seeded choices: chunked prefill or
 not, one full-attention window or a sliding window beside it, a host tier or
-none. It then sends a handful of requests at once, each from a thread of its
+none, either capacity policy, drafting by prompt lookup or not. It then sends a handful of requests at once, each from a thread of its
 own so they arrive in the order the threads run: prompts sharing a few
 prefixes (so blocks are reused, offloaded and onboarded), greedy or seeded
-sampling. In some rounds a migration's import takes blocks from under the
-running batch for a moment and gives them back (``import_begin`` /
-``import_abort``), which forces preemption. Every output is compared with the
-same request served alone on a fresh ledger with room to spare, and the ledger's walking integrity check runs
-after every ledger call (``CacheConfig.check_integrity``) and after the round.
+sampling, some drafting tokens by prompt lookup, some searching beams. In
+some rounds a migration's import takes blocks from under the running batch
+for a moment and gives them back (``import_begin`` / ``import_abort``), which
+forces preemption. Every output (every beam) is compared with the same request
+served alone on a fresh ledger with room to spare and drafting nothing, and
+the ledger's walking integrity check runs after every ledger call
+(``CacheConfig.check_integrity``) and after the round.
 
     python tests/rank_fuzz.py --rounds 2000      # a long run: prints steps, requests, divergences
 """
@@ -27,7 +29,7 @@ import torch
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
 from kvledger.worker.rank.batch import BatchDriver
-from kvledger.worker.rank.scheduler import BatchingConfig
+from kvledger.worker.rank.scheduler import CAPACITY_POLICIES, BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.request import GREEDY, Request, Sampling
 
@@ -42,6 +44,9 @@ class FuzzReport:
     requests: int = 0
     steps: int = 0
     preempted: int = 0
+    beam_searches: int = 0
+    drafted: int = 0
+    accepted: int = 0
     divergences: list[str] = field(default_factory=list)
     integrity_errors: list[str] = field(default_factory=list)
 
@@ -54,25 +59,30 @@ def cache(rng: random.Random, blocks: int) -> CacheConfig:
                        attention_windows=(8, None) if windowed else None, window_shares=(2, 1) if windowed else None)
 
 
-def scratch(cfg: CacheConfig, r: Request) -> list[int]:
-    """``r`` alone on a fresh ledger of the same model with room to spare."""
+def scratch(cfg: CacheConfig, r: Request) -> list[list[int]]:
+    """``r`` alone on a fresh ledger of the same model with room to spare, and drafting nothing: its tokens (a
+    beam search's every beam)."""
     big = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=256, attention_windows=cfg.attention_windows)
-    alone = Request(0, r.tokens, r.max_new_tokens, sampling=r.sampling)
+    alone = Request(0, r.tokens, r.max_new_tokens, sampling=r.sampling, beam_width=r.beam_width)
     (res,) = BatchDriver(ReferenceEngine(big)).serve(KVCacheManager(big), [alone])
-    return res.output_tokens
+    return res.beams.tokens if res.beams is not None else [res.output_tokens]
 
 
-def requests(rng: random.Random, full_blocks: int) -> list[Request]:
-    """2 to 6 requests sharing prefixes, each small enough for the full-attention pool alone."""
+def requests(rng: random.Random, full_blocks: int, windowed: bool) -> list[Request]:
+    """2 to 6 requests sharing prefixes, each small enough for the full-attention pool alone: greedy or seeded,
+    some drafting by prompt lookup, and (one window only) some searching beams."""
     out = []
     for i in range(rng.randrange(2, 7)):
         tokens = rng.choice(PREFIXES) + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 10))]
         max_new = rng.randrange(1, 9)
-        if -(-(len(tokens) + max_new) // T) > full_blocks:
+        beams = 1 if windowed or rng.random() < 0.8 else rng.randrange(2, 4)
+        drafts = 0 if beams > 1 or rng.random() < 0.6 else rng.randrange(1, 4)
+        per_beam = -(-(len(tokens) + max_new + drafts) // T)
+        if per_beam + (beams - 1) * (per_beam - len(tokens) // T) > full_blocks:
             continue
-        sampling = GREEDY if rng.random() < 0.5 else Sampling(temperature=1.0, seed=rng.randrange(1000))
-        out.append(Request(i + 1, tokens, max_new, sampling=sampling))
+        sampling = GREEDY if beams > 1 or rng.random() < 0.5 else Sampling(temperature=1.0, seed=rng.randrange(1000))
+        out.append(Request(i + 1, tokens, max_new, sampling=sampling, num_draft_tokens=drafts, beam_width=beams))
     return out
 
 
@@ -80,15 +90,20 @@ def fuzz_round(seed: int, report: FuzzReport) -> None:
     rng = random.Random(seed)
     cfg = cache(rng, rng.randrange(5, 14))
     w = RankWorker(0, 1, cfg, batching=BatchingConfig(max_num_seqs=rng.choice([2, 4, 8]),
-                                                      max_num_batched_tokens=rng.choice([8, 16, 64])))
+                                                      max_num_batched_tokens=rng.choice([8, 16, 64]),
+                                                      capacity_policy=rng.choice(CAPACITY_POLICIES),
+                                                      num_speculative_tokens=rng.choice([0, 0, 2])))
     w.build_ledger(*w.local_block_counts())
     full = min(s.max_num_blocks for s in w.manager.stats().windows if s.window is None)
-    reqs = requests(rng, full)
-    got: dict[int, list[int] | BaseException] = {}
+    reqs = requests(rng, full, cfg.attention_windows is not None)
+    got: dict[int, list[list[int]] | BaseException] = {}
 
     def send(r: Request) -> None:
         try:
-            got[r.request_id] = w.serve([r]).outcomes[0].output_tokens
+            (out,) = w.serve([r]).outcomes
+            got[r.request_id] = out.beams if out.beams is not None else [out.output_tokens]
+            report.drafted += out.drafted_tokens
+            report.accepted += out.accepted_tokens
         except BaseException as e:   # reported as a divergence, with the workload's seed
             got[r.request_id] = e
 
@@ -115,7 +130,8 @@ def fuzz_round(seed: int, report: FuzzReport) -> None:
         want = scratch(cfg, r)
         if got.get(r.request_id) != want:
             report.divergences.append(f"seed {seed}: request {r.request_id} ({len(r.tokens)} tokens, "
-                                      f"{r.max_new_tokens} new) gave {got.get(r.request_id)!r}, scratch {want}")
+                                      f"{r.max_new_tokens} new, {r.beam_width} beams, {r.num_draft_tokens} "
+                                      f"drafts) gave {got.get(r.request_id)!r}, scratch {want}")
     try:
         w.check_integrity()
     except Exception as e:
@@ -123,6 +139,7 @@ def fuzz_round(seed: int, report: FuzzReport) -> None:
     load = w.load()
     report.rounds += 1
     report.requests += len(reqs)
+    report.beam_searches += sum(1 for r in reqs if r.beam_width > 1)
     report.steps += load.steps
     report.preempted += load.preempted_requests
 
@@ -141,7 +158,8 @@ def main() -> None:
     args = p.parse_args()
     t0 = time.perf_counter()
     r = fuzz(range(args.first_seed, args.first_seed + args.rounds))
-    print(f"{r.rounds} rounds, {r.requests} requests, {r.steps} rank steps, {r.preempted} preemptions in "
+    print(f"{r.rounds} rounds, {r.requests} requests ({r.beam_searches} beam searches; {r.drafted} draft tokens "
+          f"checked, {r.accepted} accepted), {r.steps} rank steps, {r.preempted} preemptions in "
           f"{time.perf_counter() - t0:.0f} s: {len(r.divergences)} divergences, {len(r.integrity_errors)} integrity "
           "violations")
     for line in r.divergences[:20] + r.integrity_errors[:20]:

@@ -25,8 +25,9 @@ def cache(blocks: int) -> CacheConfig:
                        device="cpu", num_primary_blocks=blocks, check_integrity=True)
 
 
-def worker(blocks: int) -> RankWorker:
-    w = RankWorker(0, 1, cache(blocks), batching=BatchingConfig(max_num_seqs=4, max_num_batched_tokens=64))
+def worker(blocks: int, **batching) -> RankWorker:
+    w = RankWorker(0, 1, cache(blocks), batching=BatchingConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                                **batching))
     w.build_ledger(blocks, 0)
     return w
 
@@ -123,3 +124,31 @@ def test_a_sampled_request_draws_the_same_tokens_alone_and_joining_a_running_bat
     assert [o.output_tokens for o in (batch[0], *batch[2:])] == [scratch(r, blocks) for r in others], \
         "the greedy requests beside it stay greedy"
     assert w.load().peak_running_requests == 4
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_each_capacity_policy_serves_a_tight_pool_as_scratch(policy):
+    """Four requests of 9 blocks each to completion on a pool of 16: guaranteed-no-evict runs one at a time and
+    pauses none; max-utilization runs them together while the next step fits, pauses the latest admitted when a
+    step cannot grow them all, and resumes it later. Every answer is scratch's either way."""
+    blocks = 16
+    w = worker(blocks, capacity_policy=policy)
+    reqs = [Request(i + 1, tokens(i + 20, 9), 24) for i in range(4)]
+    out: dict = {}
+    for t in [serve_in_thread(w, r, out) for r in reqs]:
+        t.join(WAIT_S)
+    assert {r.request_id: out[r.request_id].output_tokens for r in reqs} == \
+        {r.request_id: scratch(r, 64) for r in reqs}
+    load = w.load()
+    if policy == "guaranteed_no_evict":
+        assert load.peak_running_requests == 1 and load.preempted_requests == 0
+    else:
+        assert load.peak_running_requests > 1 and load.preempted_requests > 0
+    w.check_integrity()
+
+
+def test_a_capacity_policy_or_a_draft_count_out_of_range_is_refused_by_name():
+    with pytest.raises(ValueError, match="capacity_policy"):
+        BatchingConfig(capacity_policy="first_come")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        BatchingConfig(num_speculative_tokens=-1)

@@ -535,17 +535,21 @@ class KVCacheManager:
 
     def get_needed_blocks_one_step(self, request_id: int, two_steps_lookahead: bool = False) -> int:
         """Blocks the next step of a running request must allocate, every beam's and every window's: in its context,
-        for the next
-        chunk (``add_context_chunk`` with the default size); decoding, for the token it samples and its
+        for the next chunk (``add_context_chunk`` with the default size); decoding, for the token it samples and its
         ``num_draft_tokens`` drafts (two such steps with ``two_steps_lookahead``, TensorRT-LLM's
-        ``twoStepsLookAhead``)."""
+        ``twoStepsLookAhead``). The sum of ``step_blocks_by_window``."""
+        return sum(self.step_blocks_by_window(request_id, two_steps_lookahead))
+
+    def step_blocks_by_window(self, request_id: int, two_steps_lookahead: bool = False) -> tuple[int, ...]:
+        """``get_needed_blocks_one_step`` per window, in ``window_block_counts`` order: what each window's own
+        pool must supply (the other beams' tails of a context chunk come from window 0, the only one with beams)."""
         seq = self._running(request_id)
-        r = seq.request
-        prompt = len(r.tokens)
+        prompt = len(seq.request.tokens)
         if not seq.decoding and seq.num_tokens < prompt:
-            return sum(self._chunk_blocks(seq, min(prompt, seq.num_tokens + (self.config.context_chunk_size
-                                                                             or prompt))))
-        return self._decode_blocks(seq, two_steps_lookahead) * len(self._windows)   # every window grows alike
+            need, tails = self._chunk_blocks(seq, min(prompt, seq.num_tokens + (self.config.context_chunk_size
+                                                                               or prompt)))
+            return (need + tails,) + (need,) * (len(self._windows) - 1)
+        return (self._decode_blocks(seq, two_steps_lookahead),) * len(self._windows)   # every window grows alike
 
     def check_decode_step(self, request_ids: Seq[int]) -> None:
         """``OutOfBlocksError`` unless the decoding ``request_ids`` can all grow by one step at once, changing
@@ -642,6 +646,13 @@ class KVCacheManager:
         _require_request("scheduling_add_sequence", request)
         (plan,) = self._admit.plan([request])
         return self._round.reserve(plan.match, plan.new_blocks, request.request_id)
+
+    @_checked
+    def scheduling_add_step(self, request_id: int) -> int:
+        """Reserve, in this round, what the next step of running ``request_id`` allocates in each window
+        (``step_blocks_by_window``); returns it, counting a request once per round. Raises ``OutOfBlocksError``
+        (reserving nothing) when some window of the round lacks them."""
+        return self._round.reserve_blocks(self.step_blocks_by_window(request_id), request_id)
 
     @_checked
     def scheduling_remove_sequence(self, request_id: int) -> None:

@@ -40,20 +40,32 @@ class SchedulingRound:
         if request_id in self.reserved:
             return self.reserved[request_id]
         takes, reused_of = [], []
-        for w, (free, taken) in enumerate(zip(self.free, self.taken)):
+        for w, taken in enumerate(self.taken):
             reused = [b for b in match.to_onboard(w) if b.block_id not in taken]
             free_now = sum(1 for b in reused if (b.sched_ref_count if b.ref_count else 0) == 0)
-            take = new_blocks + free_now + sum(1 for b in reused if b.tier == SECONDARY)
+            takes.append(new_blocks + free_now + sum(1 for b in reused if b.tier == SECONDARY))
+            reused_of.append(reused)
+        self._take(takes, request_id, "")
+        for w, reused in enumerate(reused_of):
+            self.taken[w].update(b.block_id for b in reused)
+        return sum(takes)
+
+    def reserve_blocks(self, needs: Sequence[int], request_id: int) -> int:
+        """Count ``needs[w]`` blocks of window ``w`` as taken by running request ``request_id``'s next step; as
+        ``reserve``, raises (reserving nothing) when a window lacks them, and counts a request once per round."""
+        if request_id in self.reserved:
+            return self.reserved[request_id]
+        self._take(needs, request_id, "'s next step")
+        return sum(needs)
+
+    def _take(self, takes: Sequence[int], request_id: int, what: str) -> None:
+        for w, (take, free) in enumerate(zip(takes, self.free)):
             if take > free:
                 where = f" (window {w})" if len(self.free) > 1 else ""
-                raise OutOfBlocksError(take, free, f"reserving request {request_id} in this round{where}")
-            takes.append(take)
-            reused_of.append(reused)
-        for w, (take, reused) in enumerate(zip(takes, reused_of)):
+                raise OutOfBlocksError(take, free, f"reserving request {request_id}{what} in this round{where}")
+        for w, take in enumerate(takes):
             self.free[w] -= take
-            self.taken[w].update(b.block_id for b in reused)
         self.reserved[request_id] = sum(takes)
-        return sum(takes)
 
     def release(self, holders: Sequence[Iterable[Iterable[Block]]]) -> None:
         """Count the blocks that pausing a running sequence (its block lists per window) would free."""

@@ -7,15 +7,25 @@ prefilled in chunks over several steps, ``BatchDriver.step``). Requests
 wait in a first-come-first-served queue of at most ``max_queued_requests``;
 past it a rank answers ``RankBusyError`` at once, changing nothing.
 
-Blocks are admitted as TensorRT-LLM's ``GUARANTEED_NO_EVICT`` policy admits
-them: the head of the queue joins only when the free blocks cover what it
-needs to completion on top of what the running requests still need to theirs,
-so a request that runs never runs out; one that does not fit waits in the
-queue, and nothing accepted fails for want of blocks. Blocks taken behind the
-batch's back (a migration's import) can still leave a decode step short: then
-the request admitted last is preempted as vLLM preempts, by recomputation (its
-blocks go, written ones stored for reuse, and it goes back to the head of the
-queue to start over: greedy and seeded requests give the same tokens again).
+Blocks are admitted by one of TensorRT-LLM's two capacity policies, each
+window against its own pool (``BatchingConfig.capacity_policy``):
+
+- ``guaranteed_no_evict`` (the default): the head of the queue joins only when
+  the free blocks cover what it needs to completion on top of what the running
+  requests still need to theirs, so a request that runs never runs out; one
+  that does not fit waits in the queue, and nothing accepted fails for want of
+  blocks.
+- ``max_utilization``: a scheduling round reserves the running requests' next
+  step, then admits heads while the round has their first step's blocks
+  (``scheduling_add_sequence``, reserve then commit). More requests run at
+  once; when a step cannot grow them all, the latest admitted is paused.
+
+A step that cannot be planned (under ``max_utilization``, or when blocks were
+taken behind the batch's back by a migration's import) pauses the request
+admitted last as vLLM preempts, by recomputation: its blocks go, written ones
+stored for reuse, and it goes back to the head of the queue to resume from
+what the prefix tree still holds (greedy and seeded requests give the same
+tokens again).
 
 One thread runs the steps while there is work and ends when there is none.
 It holds the ledger's lock per step, not per batch, so probes, loads,
@@ -27,8 +37,9 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.engine.sampler import Sampler
@@ -50,6 +61,10 @@ STALL_POLL_S = 0.01
 #: Threads of a rank actor beyond its batch and queue: probes, loads, event polls and migrations never wait
 #: behind parked serve calls (as long as the routers keep fewer serve calls in flight than the batch and queue hold).
 CONTROL_THREADS = 16
+CapacityPolicy = Literal["guaranteed_no_evict", "max_utilization"]
+CAPACITY_POLICIES = get_args(CapacityPolicy)
+#: The most draft tokens a step proposes per request.
+MAX_DRAFTS = 16
 
 @dataclass(frozen=True, slots=True)
 class BatchingConfig:
@@ -61,6 +76,13 @@ class BatchingConfig:
     """Tokens one step computes at most: context-chunk tokens plus one per decoding request."""
     max_queued_requests: int = 256
     """Requests waiting to join the batch; past it the rank refuses new ones (the router answers 429)."""
+    capacity_policy: CapacityPolicy = "guaranteed_no_evict"
+    """TensorRT-LLM's capacity scheduler policies: ``guaranteed_no_evict`` admits a request only when its blocks
+    to completion are free, so nothing admitted is ever paused; ``max_utilization`` admits while the next step's
+    blocks are free (reserve, then commit) and pauses the latest admitted when a step cannot grow."""
+    num_speculative_tokens: int = 0
+    """Draft tokens a decode step proposes by prompt lookup and the model checks (vLLM's n-gram speculative
+    decoding); a request that asks for none gets these. 0: none."""
 
     @property
     def actor_threads(self) -> int:
@@ -72,6 +94,11 @@ class BatchingConfig:
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.capacity_policy not in CAPACITY_POLICIES:
+            raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")
+        if type(self.num_speculative_tokens) is not int or not 0 <= self.num_speculative_tokens <= MAX_DRAFTS:
+            raise ValueError(f"num_speculative_tokens must be an int in 0..{MAX_DRAFTS}, got "
+                             f"{self.num_speculative_tokens!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({self.max_num_seqs}): every running request decodes a token per step")
@@ -235,13 +262,14 @@ class BatchScheduler:
         return False
 
     def _admit(self, mgr: KVCacheManager) -> bool:
-        """The queue's head joins while the batch has room and its blocks to completion are free (see the module
-        docstring). A head its windows' pools could never hold is refused with ``OutOfBlocksError``; one that
-        fits them but finds the blocks held outside the batch (a migration's import, a pinned export) waits for
-        them, ``STALL_S`` at most with nothing running. Whether it waits so."""
-        free = list(mgr.free_blocks_by_window())   # each window against its own pool, never their sum
-        for e in self._running:   # what the running requests will still take is not free for the head
-            free = [f - n for f, n in zip(free, mgr.remaining_blocks_by_window(e.request))]
+        """The queue's head joins while the batch has room and its blocks are free, as the capacity policy counts
+        them (see the module docstring). A head its windows' pools could never hold is refused with
+        ``OutOfBlocksError``; one that fits them but finds the blocks held outside the batch (a migration's
+        import, a pinned export) waits for them, ``STALL_S`` at most with nothing running. Whether it waits so."""
+        fits = self._fits_to_completion(mgr) if self.config.capacity_policy == "guaranteed_no_evict" \
+            else self._fits_next_step(mgr)
+        if fits is None:
+            return False
         while len(self._running) < self.config.max_num_seqs:
             with self._cv:
                 if not self._waiting:
@@ -250,17 +278,13 @@ class BatchScheduler:
             if head.ticket.done.is_set():   # its caller already failed: drop what is left of it
                 self._pop(head)
                 continue
-            need = mgr.remaining_blocks_by_window(head.request)
             try:
-                for w, (n, f) in enumerate(zip(need, free)):
-                    if n > f:
-                        raise OutOfBlocksError(n, f, f"request {head.request.request_id} to completion"
-                                                     + (f" in attention window {w}" if len(free) > 1 else ""))
+                fits(head.request)
                 (head.running,) = self.driver.admit(mgr, [head.request], self._sampler)
             except OutOfBlocksError as e:
                 if self._running:
                     return False   # it waits for the running requests to finish
-                if self._may_wait(mgr, need):
+                if self._may_wait(mgr, mgr.remaining_blocks_by_window(head.request)):
                     return True
                 self._pop(head)
                 head.ticket.fail(e)
@@ -269,7 +293,6 @@ class BatchScheduler:
                 self._pop(head)
                 head.ticket.fail(e)
                 continue
-            free = [f - n for f, n in zip(free, need)]
             self._stalled_since = None
             head.admitted_step = self._counts.steps + 1
             with self._cv:
@@ -278,6 +301,34 @@ class BatchScheduler:
                 c = self._counts
                 c.peak_running_requests = max(c.peak_running_requests, len(self._running))
         return False
+
+    def _fits_to_completion(self, mgr: KVCacheManager) -> Callable[[Request], None]:
+        """``guaranteed_no_evict``: a request fits when each window's free blocks, less what the running requests
+        will still take there, cover what it needs to completion; each fit is counted against the next."""
+        free = list(mgr.free_blocks_by_window())   # each window against its own pool, never their sum
+        for e in self._running:
+            free = [f - n for f, n in zip(free, mgr.remaining_blocks_by_window(e.request))]
+
+        def fits(r: Request) -> None:
+            need = mgr.remaining_blocks_by_window(r)
+            for w, (n, f) in enumerate(zip(need, free)):
+                if n > f:
+                    raise OutOfBlocksError(n, f, f"request {r.request_id} to completion"
+                                                 + (f" in attention window {w}" if len(free) > 1 else ""))
+            free[:] = [f - n for f, n in zip(free, need)]
+        return fits
+
+    def _fits_next_step(self, mgr: KVCacheManager) -> Callable[[Request], None] | None:
+        """``max_utilization``: the round reserves the running requests' next step, then each head's admission
+        (``scheduling_add_sequence``), and a head fits while the round has its blocks; ``None`` when the running
+        requests' next step alone does not fit (the step pauses the latest admitted)."""
+        mgr.start_scheduling()
+        try:
+            for e in self._running:
+                mgr.scheduling_add_step(e.request.request_id)
+        except OutOfBlocksError:
+            return None
+        return mgr.scheduling_add_sequence
 
     def _may_wait(self, mgr: KVCacheManager, need: tuple[int, ...]) -> bool:
         """Whether a head that finds no blocks free for it, with nothing running, waits for blocks held outside

@@ -10,6 +10,7 @@ otherwise they wait for the next poll or push.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from kvledger.worker.engine.reference import ReferenceEngine
@@ -26,27 +27,45 @@ class RankServer:
     def __init__(self, books: RankBooks, engine: ReferenceEngine, batching: BatchingConfig = BatchingConfig()) -> None:
         self.books = books
         self.engine = engine
+        self.batching = batching
         self.scheduler = BatchScheduler(books, engine, batching)
 
     def serve(self, requests: Sequence[Request], logits: bool = False, publish: bool = False) -> ServeReply:
         """Serve the requests in the running batch; the outcomes in order (with the last logits if asked), and
         with ``publish`` the events published when the last of them finished. ``RankBusyError`` when the queue
         is full, ``ValueError``/``TypeError`` for bad input, both before anything changes."""
-        reqs = list(requests)
-        for r in reqs:
+        for r in requests:
             if not isinstance(r, Request):
                 raise TypeError(f"serve takes kvledger Request objects, got {type(r).__name__}")
+        reqs = [self._drafting(r) for r in requests]
         self.engine.check(self.books.ledger(), reqs)
         served = self.scheduler.serve(reqs, publish)
         return ServeReply([self._outcome(r, logits, steps) for r, steps in zip(served.results, served.steps)],
                           served.events)
 
+    def _drafting(self, r: Request) -> Request:
+        """``r`` with the rank's draft tokens per step when it asks for none, and its windows' pools hold it
+        with them (a step's drafts take blocks: a request that fits only without them is served so); a beam
+        search takes none."""
+        k = self.batching.num_speculative_tokens
+        if not k or r.num_draft_tokens or r.beam_width > 1:
+            return r
+        drafting = dataclasses.replace(r, num_draft_tokens=k)
+        with self.books.lock:
+            mgr = self.books.ledger()
+            need = mgr.remaining_blocks_by_window(drafting)
+            if any(n > device for n, (device, _) in zip(need, mgr.window_block_counts)):
+                return r
+        return drafting
+
     def _outcome(self, res: ServeResult, logits: bool, steps: tuple[int, int]) -> ServeOutcome:
-        lp = res.logprobs
+        lp, beams = res.logprobs, res.beams
         return ServeOutcome(res.request_id, self.books.rank, list(res.output_tokens), res.cached_tokens,
                             res.computed_tokens, res.onboarded_blocks,
                             res.last_logits.tolist() if logits else None,
-                            None if lp is None else lp.chosen, None if lp is None else lp.top, *steps)
+                            None if lp is None else lp.chosen, None if lp is None else lp.top, *steps,
+                            None if beams is None else beams.tokens, None if beams is None else beams.scores,
+                            res.drafted_tokens, res.accepted_tokens)
 
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> int:
         """Exact probe: tokens of ``tokens[:-1]`` this rank holds as full blocks (either tier)."""

@@ -35,6 +35,14 @@ class ServeOutcome:
     """The rank's step at which the request joined the running batch (steps count from 1)."""
     finished_step: int = 0
     """The rank's step after which it left the batch, served."""
+    beams: list[list[int]] | None = None
+    """A beam search's beams, best first (``output_tokens`` is the first)."""
+    beam_scores: list[float] | None = None
+    """Each beam's summed log-probability of its tokens."""
+    drafted_tokens: int = 0
+    """Draft tokens the rank's steps checked for this request (prompt lookup)."""
+    accepted_tokens: int = 0
+    """Of those, the ones the model agreed with."""
 
 
 class RankBusyError(RuntimeError):

@@ -8,7 +8,7 @@ from ledger_helpers import FakeClock, make_manager, make_request, read_kv, serve
 
 from kvledger.worker.ledger import (KVCacheManager, MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange,
                                     block_hashes)
-from kvledger.worker.ledger.block import PRIMARY, SECONDARY
+from kvledger.worker.ledger.block import NO_BLOCK, PRIMARY, SECONDARY
 from kvledger.worker.wire.events import BlockRemoved, BlockStored, BlockUpdated
 
 A = list(range(100, 112))  # three full blocks
@@ -481,7 +481,7 @@ def test_block_table_and_budgets():
     table = mgr.block_table([1, 2])
     assert table.dtype == torch.int32 and table.shape == (2, 3)
     assert table[0].tolist() == [mgr.blocks[i].slot for i in mgr.get_block_ids(1)]
-    assert table[1, 1].item() != -1 and table[1, 2].item() == -1
+    assert table[1, 1].item() != NO_BLOCK and table[1, 2].item() == NO_BLOCK   # the shorter row is padded
     # 12 + 5 tokens need 5 blocks; 3 held.
     assert mgr.get_remaining_blocks_to_completion(make_request(1, A, max_new_tokens=5)) == 2
     # A new request sharing A's first two blocks (held by request 1) needs the rest.

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import pytest
-from ledger_helpers import make_request, make_windowed_manager
+from ledger_helpers import make_request, make_windowed_manager, window_pool
 
-from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError
+from kvledger.worker.ledger import NO_BLOCK, CacheConfig, KVCacheManager, OutOfBlocksError
 from kvledger.worker.wire.events import BlockRemoved, BlockStored
 
 T = 4
+X = NO_BLOCK   # a placeholder's id and slot
 
 
 def ids(mgr: KVCacheManager, rid: int) -> list[list[int]]:
@@ -53,8 +54,8 @@ def test_decode_releases_what_slid_out_and_leaves_placeholders() -> None:
                                                                (1, "full_attention", None, 2)]
     for t in range(10, 17):   # the step at 16 attends to 9..16: blocks 0 and 1 of window 0 are needed no more
         mgr.add_token(1, 1, tokens=[t])
-    assert ids(mgr, 1) == [[-1, -1, 2, 3, 4], [0, 1, 2, 3, 4]]
-    assert mgr.block_table([1]).tolist() == [[[-1, -1, 2, 3, 4], [0, 1, 2, 3, 4]]]
+    assert ids(mgr, 1) == [[X, X, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert mgr.block_table([1]).tolist() == [[[X, X, 2, 3, 4], [0, 1, 2, 3, 4]]]
     per = mgr.stats().windows
     assert [(w.window, w.used_num_blocks, w.free_num_blocks) for w in per] == [(8, 3, 5), (None, 5, 3)]
     assert (mgr.stats().used_num_blocks, mgr.stats().free_num_blocks) == (8, 8)
@@ -62,6 +63,23 @@ def test_decode_releases_what_slid_out_and_leaves_placeholders() -> None:
         mgr.rewind(1, 2)
     mgr.remove_sequence(1)
     assert mgr.stats().used_num_blocks == 0
+
+
+def test_reading_a_placeholder_raises_instead_of_reading_the_last_block() -> None:
+    """A slot or id of -1 wraps to the pool's (the block list's) last entry and hands back another block's data
+    without a word; the placeholder's are past every pool, so a read that forgot to mask it fails where it reads."""
+    mgr = make_windowed_manager()
+    mgr.add_sequence(make_request(1, list(range(10))))
+    for t in range(10, 17):   # window 0 lets blocks 0 and 1 slide out
+        mgr.add_token(1, 1, tokens=[t])
+    pool = window_pool(mgr, 0)
+    pool[-1] = 7.0   # what a wrapped index would read
+    slot, block_id = int(mgr.block_table([1])[0, 0, 0]), mgr.get_block_ids(1, window=0)[0]
+    assert (slot, block_id) == (NO_BLOCK, NO_BLOCK)
+    with pytest.raises(IndexError):
+        pool[slot]
+    with pytest.raises(IndexError):
+        mgr.window_blocks(0)[block_id]
 
 
 def test_a_match_counts_only_as_far_as_every_window_can_serve_it() -> None:
@@ -93,7 +111,7 @@ def test_reuse_with_placeholders_holds_only_the_window_tail() -> None:
     mgr.remove_sequence(1)
     assert mgr.add_sequence(make_request(2, prompt)) == 20
     # window 0 needs tokens 13..19 for the query at 20: blocks 3 and 4; window 1 all five
-    assert ids(mgr, 2) == [[-1, -1, -1, 3, 4, 6], [0, 1, 2, 3, 4, 6]]   # 5 (wiped) queues behind 6, 7
+    assert ids(mgr, 2) == [[X, X, X, 3, 4, 6], [0, 1, 2, 3, 4, 6]]   # 5 (wiped) queues behind 6, 7
     assert mgr.stats().windows[0].used_num_blocks == 3
 
 
@@ -134,7 +152,7 @@ def test_budgets_count_every_window_and_a_sliding_window_holds_at_most_its_span(
     mgr.add_sequence(r)
     mgr.add_token(1, 1, tokens=[10])
     mgr.add_token(1, 1, tokens=[11])   # the step at 11 reads 4..11: window 0 lets block 0 go
-    assert ids(mgr, 1) == [[-1, 1, 2], [0, 1, 2]]
+    assert ids(mgr, 1) == [[X, 1, 2], [0, 1, 2]]
     assert mgr.get_needed_blocks_one_step(1) == 1 + 1   # position 12 starts block 3 in each window
     assert mgr.get_remaining_blocks_to_completion(r) == (3 - 2) + (10 - 3)
 

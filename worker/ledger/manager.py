@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from kvledger.worker.ledger.admission import Admitter
-from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, SECONDARY, Block
+from kvledger.worker.ledger.block import NO_BLOCK, PLACEHOLDER, PRIMARY, SECONDARY, Block
 from kvledger.worker.ledger.budget import (ContextBudget, blocks_to_completion, ceil_div, context_budget, sink_bubble,
                                            step_blocks)
 from kvledger.worker.ledger.config import CacheConfig
@@ -454,7 +454,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: int, beam: int = 0, window: int = 0) -> list[int]:
         """Block ids of one beam of a running request, in sequence order; with attention windows, of one window
-        (ids of ``window_blocks(window)``, -1 for a placeholder)."""
+        (ids of ``window_blocks(window)``, ``NO_BLOCK`` for a placeholder)."""
         seq = self._running(request_id)
         if window != 0:
             if type(window) is not int or not 0 < window < len(seq.windows):
@@ -489,13 +489,17 @@ class KVCacheManager:
         return self._running(request_id).num_tokens
 
     def block_table(self, request_ids: Iterable[int]) -> torch.Tensor:
-        """Primary pool slots, ``int32 [rows, max_blocks]``, -1 where a row is shorter: a row per request, or per
-        beam of a beam search (``beam_width`` consecutive rows, beam 0 first). With several attention windows
-        ``int32 [rows, windows, max_blocks]``: each window's slots in its own pools, -1 for a placeholder."""
+        """Primary pool slots, ``int32 [rows, max_blocks]``: a row per request, or per beam of a beam search
+        (``beam_width`` consecutive rows, beam 0 first). With several attention windows
+        ``int32 [rows, windows, max_blocks]``: each window's slots in its own pools.
+
+        ``NO_BLOCK`` stands where a row holds no block: past the end of a row shorter than the longest, and at a
+        sliding window's placeholder (a block that slid out). It is past every pool, so a read of it raises
+        instead of wrapping to the last slot; a reader masks the positions it does not attend to."""
         seqs = [self._running(rid) for rid in request_ids]
         if len(self._windows) > 1:
             width = max((len(s.blocks) for s in seqs), default=0)
-            table = torch.full((len(seqs), len(self._windows), width), -1, dtype=torch.int32)
+            table = torch.full((len(seqs), len(self._windows), width), NO_BLOCK, dtype=torch.int32)
             for i, s in enumerate(seqs):
                 table[i, :, :len(s.blocks)] = torch.tensor([[b.slot for b in w] for w in s.windows], dtype=torch.int32)
             return table.to(self.pools.device)
@@ -506,7 +510,7 @@ class KVCacheManager:
             else:
                 rows.append([b.slot for b in seq.blocks])
         width = max((len(r) for r in rows), default=0)
-        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        table = torch.full((len(rows), width), NO_BLOCK, dtype=torch.int32)
         for i, r in enumerate(rows):
             table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
         return table.to(self.pools.device)

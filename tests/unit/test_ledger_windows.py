@@ -134,9 +134,10 @@ def test_snapshot_and_hashes_cover_every_window() -> None:
     mgr.add_sequence(make_request(1, prompt))
     mgr.store_context_blocks(1)
     mgr.remove_sequence(1)
+    stored = [e.block_hashes for e in mgr.take_events() if isinstance(e, BlockStored) and e.group_idx == 1]
     mgr.add_sequence(make_request(2, prompt))   # window 0 takes blocks 3 and 4 only
-    assert mgr.commit_and_get_block_hashes(2) == [e.block_hashes for e in mgr.take_events()
-                                                  if isinstance(e, BlockStored) and e.group_idx == 1][0]
+    assert [mgr.commit_and_get_block_hashes(2)] == stored
+    assert mgr.take_events() == []   # hashing stores nothing
     snap = mgr.snapshot()
     assert sorted((s.group_idx, s.kv_cache_spec_kind, s.kv_cache_spec_sliding_window) for s in snap) == \
         [(0, "sliding_window", 8)] * 5 + [(1, "full_attention", None)] * 5

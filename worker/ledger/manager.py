@@ -344,14 +344,16 @@ class KVCacheManager:
         seq = self._running(request_id)
         self._storer.store(seq, min(len(seq.request.tokens), seq.num_tokens) // self.tokens_per_block)
 
-    @_checked
     def commit_and_get_block_hashes(self, request_id: int) -> list[int]:
-        """Store what of the request is written (its prompt's full blocks, and the decoded ones whose every
-        token's KV is) and return the hashes of all its full blocks, reused and newly stored, in order."""
+        """The hashes of the request's full blocks, in order: its prompt's admitted so far, reused or not, and the
+        decoded ones whose every token's KV is written.
+
+        Hashing only, as TensorRT-LLM's does: nothing is stored or announced. Called before prefill, storing would
+        publish blocks whose KV was never written; ``store_context_blocks`` (after prefill) and ``add_token``
+        store what is written."""
         seq = self._running(request_id)
         T = self.tokens_per_block
         count = max(min(len(seq.request.tokens), seq.num_tokens) // T, seq.storable_blocks(T))
-        self._storer.store(seq, count)
         seq.ensure_keys(count, T)
         return list(seq.hashes[:count])
 

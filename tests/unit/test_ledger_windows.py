@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
-from ledger_helpers import make_request, make_windowed_manager, window_pool
+from ledger_helpers import make_request, make_windowed_manager, serve, window_pool
 
-from kvledger.worker.ledger import NO_BLOCK, CacheConfig, KVCacheManager, OutOfBlocksError
+from kvledger.worker.ledger import NO_BLOCK, CacheConfig, ContextBudget, KVCacheManager, OutOfBlocksError
 from kvledger.worker.wire.events import BlockRemoved, BlockStored
 
 T = 4
@@ -156,6 +156,26 @@ def test_budgets_count_every_window_and_a_sliding_window_holds_at_most_its_span(
     assert ids(mgr, 1) == [[X, 1, 2], [0, 1, 2]]
     assert mgr.get_needed_blocks_one_step(1) == 1 + 1   # position 12 starts block 3 in each window
     assert mgr.get_remaining_blocks_to_completion(r) == (3 - 2) + (10 - 3)
+
+
+def test_the_context_budget_does_not_depend_on_the_order_of_the_windows() -> None:
+    """The same model, its windows listed in both orders: each window is priced against its own pool, less the
+    matched blocks running requests hold in that window (the reuse figure was window 0's: 18 or 2 blocks)."""
+    seen = []
+    for windows in ((8, None), (None, 8)):
+        mgr = make_windowed_manager(blocks=((64, 0), (64, 0)), windows=windows)
+        prompt = list(range(41))
+        serve(mgr, make_request(1, prompt))   # running: it holds the prompt's blocks in both windows
+        r = make_request(2, prompt, max_new_tokens=4)
+        seen.append((mgr.get_context_budget(r), dict(zip(windows, mgr.context_budget_by_window(r))),
+                     mgr.analyze_prefix_reuse(prompt).reusable_blocks_allocated,
+                     dict(zip(windows, mgr.remaining_blocks_by_window(r)))))
+    assert seen[0] == seen[1]
+    total, by_window, allocated, remaining = seen[0]
+    # full attention: the prompt's 11 blocks less the 10 request 1 holds; the sliding window: 11 less the 2 of the
+    # window's tail it holds (the positions before them are placeholders, held by no one)
+    assert by_window == {None: ContextBudget(1, 40), 8: ContextBudget(9, 40)} and total == ContextBudget(10, 40)
+    assert allocated == 10 and remaining == {None: 12 - 10, 8: 11}
 
 
 def test_a_scheduling_round_reserves_in_every_window() -> None:

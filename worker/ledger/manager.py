@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -519,15 +520,29 @@ class KVCacheManager:
 
     def analyze_prefix_reuse(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                              mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> PrefixReuseSummary:
-        """What admitting ``tokens`` now would reuse (no state changes)."""
+        """What admitting ``tokens`` now would reuse (no state changes). With attention windows, a matched position
+        counts as allocated when every window that keeps a block there has it held by a running request (a
+        placeholder costs no block), so the figure does not depend on the order the windows are listed in."""
         validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
-        m = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids) if tokens else Match([])
-        decide_partial(m, set(), self.config.copy_on_partial_reuse)
+        m = self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids)
+        rows = zip(*m.windows) if m.windows is not None else ((b,) for b in m.full)
         return PrefixReuseSummary(
-            reusable_blocks_allocated=sum(1 for b in m.full if b.ref_count > 0),   # PLACEHOLDER's is 0
+            reusable_blocks_allocated=sum(1 for row in rows if all(b is PLACEHOLDER or b.ref_count > 0 for b in row)),
             reusable_blocks_all=len(m.full),
             total_matched_tokens=len(m.full) * self.tokens_per_block + m.partial_len,
             first_new_block=len(m.full))
+
+    def _match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
+               extra_ids: Seq[int] | None) -> Match:
+        m = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids) if tokens else Match([])
+        decide_partial(m, set(), self.config.copy_on_partial_reuse)
+        return m
+
+    def _held_matched(self, request: Request) -> tuple[int, ...]:
+        """Per window, the blocks matching ``request``'s prompt that running requests hold: they cost that window's
+        pool nothing."""
+        m = self._match(request.tokens, request.lora_id, request.cache_salt, request.mm_keys, request.extra_ids)
+        return tuple(sum(1 for b in m.held(w.index) if b.ref_count > 0) for w in self._windows)
 
     def probe_prefix_match_length(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                                   mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> int:
@@ -563,22 +578,32 @@ class KVCacheManager:
                            two_steps_lookahead)
 
     def get_context_budget(self, request: Request) -> ContextBudget:
-        """What admitting ``request``'s context costs, as TensorRT-LLM's ``getNeededBlocksOneStep`` prices a
-        context: ``prompt + min(drafts, max_new_tokens)`` tokens (at most ``window + chunk`` for a sliding window;
-        with several windows, the sum of their blocks and the least of their reuse) plus the sink bubble,
-        the tail per beam, less the matched blocks running requests hold; and the prompt tokens the prefix tree is
-        expected to supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
+        """What admitting ``request``'s context costs: ``context_budget_by_window``, its blocks summed over the
+        windows (each window draws on its own pool: a scheduler compares ``context_budget_by_window`` with
+        ``free_blocks_by_window``, never this sum with one pool) and the least of their reusable tokens."""
+        per = self.context_budget_by_window(request)
+        if len(per) == 1:
+            return per[0]
+        return ContextBudget(sum(b.blocks for b in per), min(b.estimated_reusable_tokens for b in per))
+
+    def context_budget_by_window(self, request: Request) -> tuple[ContextBudget, ...]:
+        """Each window's price of admitting ``request``'s context, in ``window_block_counts`` order, as
+        TensorRT-LLM's ``getNeededBlocksOneStep`` prices a context: ``prompt + min(drafts, max_new_tokens)`` tokens
+        (at most ``window + chunk`` for a sliding window) plus the sink bubble, the tail per beam, less the matched
+        blocks that running requests hold in that window; and the prompt tokens the prefix tree is expected to
+        supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
         request.validate()
-        T = self.tokens_per_block
         n = len(request.tokens)
-        reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
-                                          request.extra_ids) if self.config.enable_block_reuse else None
-        budgets = [context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width, T,
-                                  self.config.context_chunk_size or n, w.size, sink_bubble(self.config.sink_tokens, T),
-                                  reuse) for w in self._windows]
-        if len(budgets) == 1:
-            return budgets[0]
-        return ContextBudget(sum(b.blocks for b in budgets), min(b.estimated_reusable_tokens for b in budgets))
+        reuse = held = None
+        if self.config.enable_block_reuse:
+            reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
+                                              request.extra_ids)
+            held = self._held_matched(request)
+        bubble = sink_bubble(self.config.sink_tokens, self.tokens_per_block)
+        return tuple(context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width,
+                                    self.tokens_per_block, self.config.context_chunk_size or n, w.size, bubble,
+                                    None if reuse is None else replace(reuse, reusable_blocks_allocated=held[w.index]))
+                     for w in self._windows)
 
     def get_remaining_blocks_to_completion(self, request: Request) -> int:
         """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded), its last
@@ -597,7 +622,7 @@ class KVCacheManager:
         if not self._windowed:
             if seq is not None:
                 return (max(0, total - sum(len(h) for h in seq.holders())),)
-            return (total - self._reusable(request),)
+            return (total - self._held_matched(request)[0],)
         # a sliding window holds the prompt's blocks, then those of one window and one filling
         T = self.tokens_per_block
         totals = [min(total, max(ceil_div(len(request.tokens), T), ceil_div(w.size + request.num_draft_tokens, T) + 1))
@@ -605,12 +630,8 @@ class KVCacheManager:
         if seq is not None:
             return tuple(max(0, t - sum(1 for b in blocks if b is not PLACEHOLDER))
                          for t, blocks in zip(totals, seq.windows))
-        reusable = self._reusable(request)
-        return tuple(t - reusable if w.size is None else t for t, w in zip(totals, self._windows))
-
-    def _reusable(self, request: Request) -> int:
-        return self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
-                                         request.extra_ids).reusable_blocks_allocated
+        held = self._held_matched(request)
+        return tuple(t - held[w.index] if w.size is None else t for t, w in zip(totals, self._windows))
 
     def context_limit(self) -> int | None:
         """The most tokens, prompt and output, one request can ever hold here: a full-attention window keeps

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from ledger_helpers import make_request, make_windowed_manager, serve, window_pool
+from ledger_helpers import make_request, make_windowed_manager, serve, window_pool, write_kv
 
 from kvledger.worker.ledger import NO_BLOCK, CacheConfig, ContextBudget, KVCacheManager, OutOfBlocksError
 from kvledger.worker.wire.events import BlockRemoved, BlockStored
@@ -176,6 +176,28 @@ def test_the_context_budget_does_not_depend_on_the_order_of_the_windows() -> Non
     # window's tail it holds (the positions before them are placeholders, held by no one)
     assert by_window == {None: ContextBudget(1, 40), 8: ContextBudget(9, 40)} and total == ContextBudget(10, 40)
     assert allocated == 10 and remaining == {None: 12 - 10, 8: 11}
+
+
+def test_chunked_prefill_slides_the_window_and_holds_what_the_budget_prices() -> None:
+    """A 40-token prompt in chunks of 8, window 8: a chunk's queries attend 7 tokens back, so window 0 lets go of
+    the blocks before that, stored first, and holds 4 blocks where it held the whole prompt's 10: the 4 + 10 the
+    budget prices are what is held (20 were)."""
+    mgr = make_windowed_manager(blocks=((16, 0), (16, 0)), context_chunk_size=8)
+    r = make_request(1, list(range(40)))
+    assert mgr.context_budget_by_window(r) == (ContextBudget(4, 0), ContextBudget(10, 0))
+    mgr.add_sequence(r)
+    held = []
+    for _ in range(5):
+        start, end = mgr.context_chunk(1)
+        write_kv(mgr, r, start, end, r.tokens)
+        held.append(tuple(w.used_num_blocks for w in mgr.stats().windows))
+        if end < 40:
+            mgr.add_context_chunk(1)
+    assert held == [(2, 2), (4, 4), (4, 6), (4, 8), (4, 10)]
+    assert ids(mgr, 1) == [[X] * 6 + [6, 7, 8, 9], list(range(10))]
+    mgr.store_context_blocks(1)
+    mgr.remove_sequence(1)
+    assert mgr.probe_prefix_match_length(r.tokens + [99]) == 40   # what slid out was stored before it went
 
 
 def test_a_scheduling_round_reserves_in_every_window() -> None:

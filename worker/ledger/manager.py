@@ -142,8 +142,12 @@ class KVCacheManager:
 
         The next chunk computes ``num_tokens`` prompt tokens (default
         ``CacheConfig.context_chunk_size``; the rest of the prompt when that is
-        ``None``), fewer at the prompt's end; its blocks are allocated now.
-        Returns its prompt positions ``(start, end)``. Raises ``ValueError`` when
+        ``None``), fewer at the prompt's end; its blocks are allocated now. A
+        sliding window first releases the blocks no query from the chunk's
+        start attends to, stored first, as ``add_token`` does while decoding,
+        so a window holds at most ``window + chunk`` tokens' blocks (what
+        ``get_context_budget`` prices). Returns its prompt positions
+        ``(start, end)``. Raises ``ValueError`` when
         the whole prompt is admitted and ``OutOfBlocksError`` when the chunk's
         blocks do not fit, changing nothing either way.
         """
@@ -159,8 +163,10 @@ class KVCacheManager:
         start, end = seq.num_tokens, min(prompt, seq.num_tokens + size)
         need, tails = self._chunk_blocks(seq, end)
         self._check_growth(f"admitting a context chunk of request {request_id}",
-                           [need + tails] + [need] * (len(seq.windows) - 1))
+                           [need + tails] + [need] * (len(seq.windows) - 1), self._sliding_gains(seq, start))
         self._storer.store(seq, start // self.tokens_per_block)
+        if self._windowed:
+            self._slide(seq, start)
         first_new = len(seq.blocks)
         w0 = self._windows[0]
         seq.blocks += w0.alloc(need)
@@ -271,9 +277,8 @@ class KVCacheManager:
             # every beam grows alike
             self._check_growth(f"growing request {request_id}", (need * seq.request.beam_width,))
         else:
-            out = [w.sliding_out(blocks, start, old) for w, blocks, start in zip(self._windows, seq.windows, seq.slid)]
-            self._check_growth(f"growing request {request_id}", [need] * len(out),
-                               [sum(1 for b in o if b.ref_count == 1) for o in out])
+            self._check_growth(f"growing request {request_id}", [need] * len(self._windows),
+                               self._sliding_gains(seq, old))
             if not seq.opaque:   # store what the window is about to release: every token before ``old`` is written
                 self._storer.store(seq, old // T)
             self._slide(seq, old)
@@ -295,6 +300,13 @@ class KVCacheManager:
         self.pools.flush()
         if not seq.opaque:   # everything before this step's tokens is written (rejected drafts were rewound)
             self._storer.store(seq, (seq.num_tokens - n) // self.tokens_per_block)
+
+    def _sliding_gains(self, seq: Sequence, pos: int) -> list[int]:
+        """Per window, the blocks sliding out before a step from ``pos`` would free (those ``seq`` alone holds)."""
+        if not self._windowed:
+            return []
+        return [sum(1 for b in w.sliding_out(blocks, start, pos) if b.ref_count == 1)
+                for w, blocks, start in zip(self._windows, seq.windows, seq.slid)]
 
     def _slide(self, seq: Sequence, pos: int) -> None:
         """Release the blocks of sliding windows that no query from ``pos`` on attends to, leaving placeholders; the

@@ -1,11 +1,17 @@
 """Attention windows (VSWA): one window manager per window, one prefix tree, placeholders, the safe-prefix rule."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from ledger_helpers import make_request, make_windowed_manager, serve, window_pool, write_kv
+from msgspec.structs import astuple
 
-from kvledger.worker.ledger import NO_BLOCK, CacheConfig, ContextBudget, KVCacheManager, OutOfBlocksError
-from kvledger.worker.wire.events import BlockRemoved, BlockStored
+from kvledger.router.groups import WindowedIndex
+from kvledger.router.numbering import SequencedIndex
+from kvledger.worker.ledger import NO_BLOCK, CacheConfig, ContextBudget, KVCacheManager, OutOfBlocksError, block_hashes
+from kvledger.worker.wire.events import BlockRemoved, BlockStored, EventBatch, KVCacheCreated, decode_batch
+from kvledger.worker.wire.events import decode_view, encode_batch
 
 T = 4
 X = NO_BLOCK   # a placeholder's id and slot
@@ -198,6 +204,28 @@ def test_chunked_prefill_slides_the_window_and_holds_what_the_budget_prices() ->
     mgr.store_context_blocks(1)
     mgr.remove_sequence(1)
     assert mgr.probe_prefix_match_length(r.tokens + [99]) == 40   # what slid out was stored before it went
+
+
+def test_each_window_announces_its_own_pool_when_the_ledger_is_created() -> None:
+    """One ``KVCacheCreated`` per window, its own pool's counts (TensorRT-LLM's one created event per window size),
+    where one event said 47 device blocks, the sum of two pools; the codec and the router's index take them."""
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=1, head_dim=2, device="cpu",
+                                     attention_windows=(32, None), window_blocks=((38, 4), (9, 2))))
+    created = mgr.take_events()
+    assert created == mgr.created_events() == [
+        KVCacheCreated({"GPU": 38, "CPU": 4}, T, group_idx=0, kv_cache_spec_kind="sliding_window",
+                       kv_cache_spec_sliding_window=32),
+        KVCacheCreated({"GPU": 9, "CPU": 2}, T, group_idx=1, kv_cache_spec_kind="full_attention")]
+    assert KVCacheManager(CacheConfig(tokens_per_block=T, device="cpu", num_primary_blocks=8)).take_events() == [
+        KVCacheCreated({"GPU": 8, "CPU": 0}, T)]   # one window: as before, no group described
+    data = encode_batch(EventBatch(0.0, created, 0))
+    assert decode_batch(data).events == created
+    assert [astuple(e) for e in decode_view(data).events] == [dataclasses.astuple(e) for e in created]
+    mgr.add_sequence(make_request(1, list(range(13))))
+    mgr.store_context_blocks(1)
+    index = SequencedIndex(WindowedIndex(T))
+    assert index.apply(0, 0, EventBatch(0.0, created + mgr.take_events(), 0)).applied
+    assert index.store.longest_prefixes(block_hashes(list(range(13)), T))[0] == (3, 0)
 
 
 def test_a_scheduling_round_reserves_in_every_window() -> None:

@@ -84,8 +84,15 @@ class KVCacheManager:
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, list[Block]] = {}
         self._round = SchedulingRound(self._windows)
-        events.put(KVCacheCreated(num_blocks={"GPU": self.num_primary, "CPU": self.num_secondary},
-                                  block_size=config.tokens_per_block))
+        events.put_n(self.created_events())
+
+    def created_events(self) -> list[KVCacheCreated]:
+        """What this ledger was created with: one ``KVCacheCreated`` per attention window, each window's own pool
+        (TensorRT-LLM's one created event per window size), its group named as ``BlockStored`` names it."""
+        return [KVCacheCreated(num_blocks={"GPU": w.pool.num_primary, "CPU": w.pool.num_secondary},
+                               block_size=self.tokens_per_block, group_idx=w.index,
+                               kv_cache_spec_kind=w.kind if self._windowed else None,
+                               kv_cache_spec_sliding_window=w.size) for w in self._windows]
 
     @property
     def clock(self) -> Callable[[], float]:

@@ -166,7 +166,7 @@ class Cluster:
                 continue
             if info.ready:
                 cluster.device = info.device.split(":")[0]
-                cluster.block_counts = (info.device_blocks, info.host_blocks)
+                cluster.block_counts = tuple(n for _, d, h in info.windows for n in (d, h))   # as form_group has them
                 break
         return cluster
 
@@ -304,12 +304,19 @@ class Cluster:
                     ranks.append({"rank": r, "alive": False, "error": e.reason})
                     continue
                 entry.update(device=info.device, backend=info.backend, in_group=info.in_group,
-                             device_blocks=info.device_blocks, host_blocks=info.host_blocks)
+                             device_blocks=info.device_blocks, host_blocks=info.host_blocks,
+                             windows=[{"window": w, "device": d, "host": h} for w, d, h in info.windows])
             ranks.append(entry)
         return {"num_ranks": len(self.clients), "device": self.device, "generation": self.generation,
-                "agreed_blocks": None if self.block_counts is None else
-                {"device": self.block_counts[0], "host": self.block_counts[1]},
+                "agreed_blocks": None if self.block_counts is None else _agreed(self.block_counts),
                 "ranks": ranks, "time": time.time()}
+
+
+def _agreed(counts: tuple[int, ...]) -> dict:
+    """The agreed ``(device, host)`` counts of window 0, then of each further attention window (the ranks' order):
+    one window's as they are; several windows' each on its own (``windows``), since each draws on its own pool."""
+    pairs = [{"device": d, "host": h} for d, h in zip(counts[::2], counts[1::2])]
+    return pairs[0] if len(pairs) == 1 else {"windows": pairs}
 
 
 def _results(calls: list[PendingCall]) -> list:

@@ -244,8 +244,10 @@ def _detail(e: dict) -> str:
     if t == "BlockUpdated":
         return f"{e['old_medium']} -> {e['new_medium']}" if e.get("new_medium") else \
             f"priority {e['old_priority']} -> {e['new_priority']}"
-    if t == "KVCacheCreated":
-        return f"{e['num_blocks']}"
+    if t == "KVCacheCreated":   # one per attention window, each its own pool
+        window = e.get("kv_cache_spec_sliding_window") or "full"
+        return f"{e['num_blocks']}" + (f" in group {e['group_idx']} (window {window})"
+                                       if e.get("kv_cache_spec_kind") else "")
     if t == "Snapshot":
         return f"{e['blocks']} blocks, next batch {e['next_seq']}"
     return ""

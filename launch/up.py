@@ -295,8 +295,11 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
         out(json.dumps(st, indent=2, default=str))
         return 0
     agreed = st["agreed_blocks"]
+    pools = [agreed] if agreed is None or "windows" not in agreed else agreed["windows"]
     blocks = ("no ranks of its own" if not st["num_ranks"] else "no agreed block counts yet" if agreed is None
-              else f"agreed blocks per rank: {agreed['device']} device, {agreed['host']} host")
+              else "agreed blocks per rank: " + "; ".join(f"{p['device']} device, {p['host']} host"
+                                                          + (f" (window {i})" if len(pools) > 1 else "")
+                                                          for i, p in enumerate(pools)))
     out(f"cluster at {state.address}: {st['num_ranks']} rank(s), device {st['device']}, {blocks}; "
         + (f"{len(state.router_urls)} router(s)" if state.router_urls else "router not running"))
     for r in st["routers"]:
@@ -308,6 +311,9 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
             continue
         out(f"{r['rank']:>4} {'yes':>5} {r.get('device', '-'):>7} {r.get('device_blocks_used', '-'):>7} "
             f"{r.get('device_blocks_free', '-'):>7} {r.get('host_blocks_used', '-'):>11} {r['served_requests']:>6}")
+        if len(r.get("windows", ())) > 1:   # in use and free above sum pools that no request can pool
+            out("     pools: " + "; ".join(f"window {w['window'] or 'full'}: {w['device']} device, {w['host']} host"
+                                          for w in r["windows"]))
     view = st["router"]
     if view is not None and "error" in view:
         out(f"router: {view['error']}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvledger.worker.ledger import CacheConfig, KVCacheManager, Request
+from kvledger.worker.ledger import NO_BLOCK, CacheConfig, KVCacheManager, Request
 from kvledger.worker.ledger.block import PRIMARY
 
 
@@ -61,7 +61,7 @@ def write_kv(mgr: KVCacheManager, request: Request, start: int, end: int, tokens
     for w in range(len(mgr.config.window_layouts)):
         ids, pool = mgr.get_block_ids(request.request_id, window=w), window_pool(mgr, w)
         for pos in range(start, end):
-            assert ids[pos // T] >= 0, f"window {w}: position {pos} to compute sits in a placeholder"
+            assert ids[pos // T] != NO_BLOCK, f"window {w}: position {pos} to compute sits in a placeholder"
             b = mgr.window_blocks(w)[ids[pos // T]]
             assert b.tier == PRIMARY
             pool[b.slot, :, :, pos % T] = token_value(tuple(tokens[:pos + 1]), request.lora_id, request.cache_salt)
@@ -71,7 +71,7 @@ def read_kv(mgr: KVCacheManager, request_id: int, pos: int, window: int = 0) -> 
     """The value at ``pos`` of a running request in ``window``; ``None`` where the window holds a placeholder."""
     T = mgr.tokens_per_block
     bid = mgr.get_block_ids(request_id, window=window)[pos // T]
-    if bid < 0:
+    if bid == NO_BLOCK:
         return None
     return float(window_pool(mgr, window)[mgr.window_blocks(window)[bid].slot, 0, 0, pos % T, 0, 0])
 

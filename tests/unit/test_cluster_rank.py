@@ -34,6 +34,20 @@ def test_budget_gives_block_counts_and_ledger_is_built_with_them():
     assert w.manager.num_primary == 10
 
 
+def test_a_windowed_rank_reports_and_announces_each_window_pool_apart():
+    """The issue's rank (windows of 32 and full, shares 9 and 1): its info lists each window's pool, as its first
+    batch does (one ``KVCacheCreated`` per window), where one figure summed the two pools as if they were one."""
+    cfg = CacheConfig(tokens_per_block=8, num_layers=4, num_kv_heads=2, head_dim=8, device="cpu",
+                      num_primary_blocks=24, attention_windows=(32, None), window_shares=(9, 1))
+    w = RankWorker(0, 1, cfg, seed=0)
+    w.build_ledger(*w.local_block_counts())
+    info = w.info()
+    assert info.windows == ((32, 43, 0), (None, 4, 0)) and info.device_blocks == 47 and info.max_context == 32
+    created = decode_batch(w.poll_events().data).events
+    assert [(e.group_idx, e.kv_cache_spec_sliding_window, e.num_blocks["GPU"]) for e in created] == [(0, 32, 43),
+                                                                                                  (1, None, 4)]
+
+
 def test_serve_reuses_prefix_and_reports_load_in_one_answer():
     w = make_rank()
     prompt = list(range(10, 23))

@@ -485,6 +485,20 @@ def test_a_sliding_window_model_served_from_reused_blocks(device: str) -> None:
     assert_matches_scratch(engine, cfg, a2, got)
 
 
+@pytest.mark.parametrize("chunk", [4, 8, 12])
+def test_a_sliding_window_prompt_prefilled_in_chunks_gives_the_unchunked_answer(chunk: int) -> None:
+    """Window 0 lets its blocks slide out between context chunks; each chunk still reads every key its queries
+    attend to, so the chunked prompt, fresh or over a reused prefix, answers as one unchunked from-scratch prefill."""
+    cfg = make_config(**GEMMA)
+    engine, mgr = ReferenceEngine(cfg, seed=9), KVCacheManager(make_config(context_chunk_size=chunk, **GEMMA))
+    a = req(tokens(41, seed=50), max_new=6)
+    assert_matches_scratch(engine, cfg, a, serve_one(engine, mgr, a))
+    a2 = req(a.tokens[:29] + tokens(14, seed=51), max_new=5)
+    got = serve_one(engine, mgr, a2)
+    assert got.cached_tokens == 28
+    assert_matches_scratch(engine, cfg, a2, got)
+
+
 def test_a_sliding_window_model_served_from_partially_reused_blocks() -> None:
     """Window 0 (8 tokens) lost the early blocks of a finished turn (they slid out while it decoded, then were
     evicted), window 1 (full attention) kept them: the next turn still reuses the whole turn, since window 0 needs

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ledger_helpers import FakeClock, make_manager, make_request, read_kv, serve, token_value, write_kv
+from ledger_helpers import FakeClock, make_manager, make_request, prefill, read_kv, serve, token_value, write_kv
 
 from kvledger.worker.ledger import (KVCacheManager, MmKey, OutOfBlocksError, Request, RetentionConfig, TokenRange,
                                     block_hashes)
-from kvledger.worker.ledger.block import PRIMARY, SECONDARY
+from kvledger.worker.ledger.block import NO_BLOCK, PRIMARY, SECONDARY
 from kvledger.worker.wire.events import BlockRemoved, BlockStored, BlockUpdated
 
 A = list(range(100, 112))  # three full blocks
@@ -197,6 +197,8 @@ def test_reserve_then_commit_counts_each_free_block_once_and_changes_no_books():
     assert mgr.commit_and_get_block_hashes(10) == block_hashes(A, 4)
     mgr.add_token(10, 4, tokens=[20, 21, 22, 23])           # 17 tokens: block 3 is full, its last token unwritten
     assert mgr.commit_and_get_block_hashes(10) == block_hashes(A + [1, 20, 21, 22], 4)
+    assert not any(isinstance(e, BlockStored) for e in mgr.take_events()), "hashing stores nothing"
+    mgr.remove_sequence(10)
     stored = [h for e in mgr.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
     assert stored == block_hashes(A + [1, 20, 21, 22], 4)[3:], "only the newly stored block is announced"
     mgr.check_integrity()
@@ -474,6 +476,20 @@ def test_decode_without_token_ids_is_not_stored():
     assert mgr.probe_prefix_match_length(A[:6] + [1, 2, 3]) == 4
 
 
+def test_hashing_a_request_before_its_prefill_publishes_nothing():
+    """``commit_and_get_block_hashes`` only hashes (TensorRT-LLM's does): storing before the prefill would announce,
+    and let others reuse, blocks whose KV was never written."""
+    mgr = make_manager()
+    r = make_request(1, A + [1])
+    mgr.add_sequence(r)
+    assert mgr.commit_and_get_block_hashes(1) == block_hashes(A, 4)
+    assert mgr.take_events() == [] and mgr.probe_prefix_match_length(A + [1]) == 0
+    prefill(mgr, r)
+    mgr.store_context_blocks(1)
+    assert [h for e in mgr.take_events() if isinstance(e, BlockStored) for h in e.block_hashes] == block_hashes(A, 4)
+    assert mgr.probe_prefix_match_length(A + [1]) == 12
+
+
 def test_block_table_and_budgets():
     mgr = make_manager()
     serve(mgr, make_request(1, A, max_new_tokens=5))
@@ -481,7 +497,7 @@ def test_block_table_and_budgets():
     table = mgr.block_table([1, 2])
     assert table.dtype == torch.int32 and table.shape == (2, 3)
     assert table[0].tolist() == [mgr.blocks[i].slot for i in mgr.get_block_ids(1)]
-    assert table[1, 1].item() != -1 and table[1, 2].item() == -1
+    assert table[1, 1].item() != NO_BLOCK and table[1, 2].item() == NO_BLOCK   # the shorter row is padded
     # 12 + 5 tokens need 5 blocks; 3 held.
     assert mgr.get_remaining_blocks_to_completion(make_request(1, A, max_new_tokens=5)) == 2
     # A new request sharing A's first two blocks (held by request 1) needs the rest.

@@ -12,7 +12,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 from ledger_helpers import FakeClock, make_manager, make_windowed_manager, read_kv, serve, token_value, write_kv
 
-from kvledger.worker.ledger import OutOfBlocksError, Request, RetentionConfig, TokenRange
+from kvledger.worker.ledger import NO_BLOCK, OutOfBlocksError, Request, RetentionConfig, TokenRange
 
 
 @pytest.fixture(autouse=True)
@@ -390,7 +390,7 @@ class Windows(ChunksAndBeams):
         self.mgr.start_scheduling()
         free = self.mgr.scheduling_num_free_blocks
         paused = sorted(self.running)[:1]
-        held = sum(bid >= 0 for rid in paused for w in (0, 1) for bid in self.mgr.get_block_ids(rid, window=w))
+        held = sum(bid != NO_BLOCK for rid in paused for w in (0, 1) for bid in self.mgr.get_block_ids(rid, window=w))
         for rid in paused:
             self.mgr.scheduling_remove_sequence(rid)
         for t in tokens:
@@ -402,7 +402,7 @@ class Windows(ChunksAndBeams):
 
     def _admitted(self, reqs: list[Request], prepops: list[int]) -> None:
         super()._admitted(reqs, prepops)
-        Windows.tails += sum(self.mgr.get_block_ids(r.request_id, window=0)[0] < 0 for r in reqs)
+        Windows.tails += sum(self.mgr.get_block_ids(r.request_id, window=0)[0] == NO_BLOCK for r in reqs)
 
     @invariant()
     def beams_share_the_context(self):
@@ -410,9 +410,9 @@ class Windows(ChunksAndBeams):
         at the next position ``n`` reads the keys from ``n - 7`` on."""
         for rid in self.running:
             ids = [self.mgr.get_block_ids(rid, window=w) for w in range(2)]
-            assert len(ids[0]) == len(ids[1]) and -1 not in ids[1]
-            Windows.slid += ids[0][0] < 0
-            assert -1 not in ids[0][max(0, self.mgr.num_tokens(rid) - 7) // 4:]
+            assert len(ids[0]) == len(ids[1]) and NO_BLOCK not in ids[1]
+            Windows.slid += ids[0][0] == NO_BLOCK
+            assert NO_BLOCK not in ids[0][max(0, self.mgr.num_tokens(rid) - 7) // 4:]
 
 
 def test_attention_windows_keep_the_books_and_the_kv():

@@ -1,13 +1,20 @@
 """Attention windows (VSWA): one window manager per window, one prefix tree, placeholders, the safe-prefix rule."""
 from __future__ import annotations
 
-import pytest
-from ledger_helpers import make_request, make_windowed_manager
+import dataclasses
 
-from kvledger.worker.ledger import CacheConfig, KVCacheManager, OutOfBlocksError
-from kvledger.worker.wire.events import BlockRemoved, BlockStored
+import pytest
+from ledger_helpers import make_request, make_windowed_manager, serve, window_pool, write_kv
+from msgspec.structs import astuple
+
+from kvledger.router.groups import WindowedIndex
+from kvledger.router.numbering import SequencedIndex
+from kvledger.worker.ledger import NO_BLOCK, CacheConfig, ContextBudget, KVCacheManager, OutOfBlocksError, block_hashes
+from kvledger.worker.wire.events import BlockRemoved, BlockStored, EventBatch, KVCacheCreated, decode_batch
+from kvledger.worker.wire.events import decode_view, encode_batch
 
 T = 4
+X = NO_BLOCK   # a placeholder's id and slot
 
 
 def ids(mgr: KVCacheManager, rid: int) -> list[list[int]]:
@@ -53,8 +60,8 @@ def test_decode_releases_what_slid_out_and_leaves_placeholders() -> None:
                                                                (1, "full_attention", None, 2)]
     for t in range(10, 17):   # the step at 16 attends to 9..16: blocks 0 and 1 of window 0 are needed no more
         mgr.add_token(1, 1, tokens=[t])
-    assert ids(mgr, 1) == [[-1, -1, 2, 3, 4], [0, 1, 2, 3, 4]]
-    assert mgr.block_table([1]).tolist() == [[[-1, -1, 2, 3, 4], [0, 1, 2, 3, 4]]]
+    assert ids(mgr, 1) == [[X, X, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert mgr.block_table([1]).tolist() == [[[X, X, 2, 3, 4], [0, 1, 2, 3, 4]]]
     per = mgr.stats().windows
     assert [(w.window, w.used_num_blocks, w.free_num_blocks) for w in per] == [(8, 3, 5), (None, 5, 3)]
     assert (mgr.stats().used_num_blocks, mgr.stats().free_num_blocks) == (8, 8)
@@ -62,6 +69,23 @@ def test_decode_releases_what_slid_out_and_leaves_placeholders() -> None:
         mgr.rewind(1, 2)
     mgr.remove_sequence(1)
     assert mgr.stats().used_num_blocks == 0
+
+
+def test_reading_a_placeholder_raises_instead_of_reading_the_last_block() -> None:
+    """A slot or id of -1 wraps to the pool's (the block list's) last entry and hands back another block's data
+    without a word; the placeholder's are past every pool, so a read that forgot to mask it fails where it reads."""
+    mgr = make_windowed_manager()
+    mgr.add_sequence(make_request(1, list(range(10))))
+    for t in range(10, 17):   # window 0 lets blocks 0 and 1 slide out
+        mgr.add_token(1, 1, tokens=[t])
+    pool = window_pool(mgr, 0)
+    pool[-1] = 7.0   # what a wrapped index would read
+    slot, block_id = int(mgr.block_table([1])[0, 0, 0]), mgr.get_block_ids(1, window=0)[0]
+    assert (slot, block_id) == (NO_BLOCK, NO_BLOCK)
+    with pytest.raises(IndexError):
+        pool[slot]
+    with pytest.raises(IndexError):
+        mgr.window_blocks(0)[block_id]
 
 
 def test_a_match_counts_only_as_far_as_every_window_can_serve_it() -> None:
@@ -93,7 +117,7 @@ def test_reuse_with_placeholders_holds_only_the_window_tail() -> None:
     mgr.remove_sequence(1)
     assert mgr.add_sequence(make_request(2, prompt)) == 20
     # window 0 needs tokens 13..19 for the query at 20: blocks 3 and 4; window 1 all five
-    assert ids(mgr, 2) == [[-1, -1, -1, 3, 4, 6], [0, 1, 2, 3, 4, 6]]   # 5 (wiped) queues behind 6, 7
+    assert ids(mgr, 2) == [[X, X, X, 3, 4, 6], [0, 1, 2, 3, 4, 6]]   # 5 (wiped) queues behind 6, 7
     assert mgr.stats().windows[0].used_num_blocks == 3
 
 
@@ -116,9 +140,10 @@ def test_snapshot_and_hashes_cover_every_window() -> None:
     mgr.add_sequence(make_request(1, prompt))
     mgr.store_context_blocks(1)
     mgr.remove_sequence(1)
+    stored = [e.block_hashes for e in mgr.take_events() if isinstance(e, BlockStored) and e.group_idx == 1]
     mgr.add_sequence(make_request(2, prompt))   # window 0 takes blocks 3 and 4 only
-    assert mgr.commit_and_get_block_hashes(2) == [e.block_hashes for e in mgr.take_events()
-                                                  if isinstance(e, BlockStored) and e.group_idx == 1][0]
+    assert [mgr.commit_and_get_block_hashes(2)] == stored
+    assert mgr.take_events() == []   # hashing stores nothing
     snap = mgr.snapshot()
     assert sorted((s.group_idx, s.kv_cache_spec_kind, s.kv_cache_spec_sliding_window) for s in snap) == \
         [(0, "sliding_window", 8)] * 5 + [(1, "full_attention", None)] * 5
@@ -134,9 +159,73 @@ def test_budgets_count_every_window_and_a_sliding_window_holds_at_most_its_span(
     mgr.add_sequence(r)
     mgr.add_token(1, 1, tokens=[10])
     mgr.add_token(1, 1, tokens=[11])   # the step at 11 reads 4..11: window 0 lets block 0 go
-    assert ids(mgr, 1) == [[-1, 1, 2], [0, 1, 2]]
+    assert ids(mgr, 1) == [[X, 1, 2], [0, 1, 2]]
     assert mgr.get_needed_blocks_one_step(1) == 1 + 1   # position 12 starts block 3 in each window
     assert mgr.get_remaining_blocks_to_completion(r) == (3 - 2) + (10 - 3)
+
+
+def test_the_context_budget_does_not_depend_on_the_order_of_the_windows() -> None:
+    """The same model, its windows listed in both orders: each window is priced against its own pool, less the
+    matched blocks running requests hold in that window (the reuse figure was window 0's: 18 or 2 blocks)."""
+    seen = []
+    for windows in ((8, None), (None, 8)):
+        mgr = make_windowed_manager(blocks=((64, 0), (64, 0)), windows=windows)
+        prompt = list(range(41))
+        serve(mgr, make_request(1, prompt))   # running: it holds the prompt's blocks in both windows
+        r = make_request(2, prompt, max_new_tokens=4)
+        seen.append((mgr.get_context_budget(r), dict(zip(windows, mgr.context_budget_by_window(r))),
+                     mgr.analyze_prefix_reuse(prompt).reusable_blocks_allocated,
+                     dict(zip(windows, mgr.remaining_blocks_by_window(r)))))
+    assert seen[0] == seen[1]
+    total, by_window, allocated, remaining = seen[0]
+    # full attention: the prompt's 11 blocks less the 10 request 1 holds; the sliding window: 11 less the 2 of the
+    # window's tail it holds (the positions before them are placeholders, held by no one)
+    assert by_window == {None: ContextBudget(1, 40), 8: ContextBudget(9, 40)} and total == ContextBudget(10, 40)
+    assert allocated == 10 and remaining == {None: 12 - 10, 8: 11}
+
+
+def test_chunked_prefill_slides_the_window_and_holds_what_the_budget_prices() -> None:
+    """A 40-token prompt in chunks of 8, window 8: a chunk's queries attend 7 tokens back, so window 0 lets go of
+    the blocks before that, stored first, and holds 4 blocks where it held the whole prompt's 10: the 4 + 10 the
+    budget prices are what is held (20 were)."""
+    mgr = make_windowed_manager(blocks=((16, 0), (16, 0)), context_chunk_size=8)
+    r = make_request(1, list(range(40)))
+    assert mgr.context_budget_by_window(r) == (ContextBudget(4, 0), ContextBudget(10, 0))
+    mgr.add_sequence(r)
+    held = []
+    for _ in range(5):
+        start, end = mgr.context_chunk(1)
+        write_kv(mgr, r, start, end, r.tokens)
+        held.append(tuple(w.used_num_blocks for w in mgr.stats().windows))
+        if end < 40:
+            mgr.add_context_chunk(1)
+    assert held == [(2, 2), (4, 4), (4, 6), (4, 8), (4, 10)]
+    assert ids(mgr, 1) == [[X] * 6 + [6, 7, 8, 9], list(range(10))]
+    mgr.store_context_blocks(1)
+    mgr.remove_sequence(1)
+    assert mgr.probe_prefix_match_length(r.tokens + [99]) == 40   # what slid out was stored before it went
+
+
+def test_each_window_announces_its_own_pool_when_the_ledger_is_created() -> None:
+    """One ``KVCacheCreated`` per window, its own pool's counts (TensorRT-LLM's one created event per window size),
+    where one event said 47 device blocks, the sum of two pools; the codec and the router's index take them."""
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=1, head_dim=2, device="cpu",
+                                     attention_windows=(32, None), window_blocks=((38, 4), (9, 2))))
+    created = mgr.take_events()
+    assert created == mgr.created_events() == [
+        KVCacheCreated({"GPU": 38, "CPU": 4}, T, group_idx=0, kv_cache_spec_kind="sliding_window",
+                       kv_cache_spec_sliding_window=32),
+        KVCacheCreated({"GPU": 9, "CPU": 2}, T, group_idx=1, kv_cache_spec_kind="full_attention")]
+    assert KVCacheManager(CacheConfig(tokens_per_block=T, device="cpu", num_primary_blocks=8)).take_events() == [
+        KVCacheCreated({"GPU": 8, "CPU": 0}, T)]   # one window: as before, no group described
+    data = encode_batch(EventBatch(0.0, created, 0))
+    assert decode_batch(data).events == created
+    assert [astuple(e) for e in decode_view(data).events] == [dataclasses.astuple(e) for e in created]
+    mgr.add_sequence(make_request(1, list(range(13))))
+    mgr.store_context_blocks(1)
+    index = SequencedIndex(WindowedIndex(T))
+    assert index.apply(0, 0, EventBatch(0.0, created + mgr.take_events(), 0)).applied
+    assert index.store.longest_prefixes(block_hashes(list(range(13)), T))[0] == (3, 0)
 
 
 def test_a_scheduling_round_reserves_in_every_window() -> None:

@@ -12,7 +12,9 @@ a mix of window and full layers as Gemma-style models have): a query at
 position ``p`` of a layer with a window of ``w`` tokens attends to the keys at
 positions ``p - w < q <= p``. Each window keeps its own pools and its own row
 of the block table; positions no query of the step reads may be placeholders
-(slot -1), as the ledger leaves them where a window's blocks slid out.
+(``NO_BLOCK``, past every pool), as the ledger leaves them where a window's
+blocks slid out. A slot outside the pool where the step reads raises
+``ValueError``: never a silent read of another block's KV.
 
 A LoRA id stands in for an adapter as a seeded vector added to the request's
 token embeddings: it changes every K/V the request writes, which is what makes
@@ -258,11 +260,12 @@ def _window_view(table: torch.Tensor, window: int | None, num_slots: int, ctx_po
     if window is not None:
         read &= ctx_pos[None, :] > start_t[:, None] - window
     ctx_slot = torch.where(read, ctx_slot, first_new)
-    bad = read & ((ctx_slot < 0) | (ctx_slot >= num_slots))
+    bad = read & ((ctx_slot < 0) | (ctx_slot >= num_slots))   # a step reads every position it writes
     if bool(bad.any()):
         row = int(bad.any(dim=1).nonzero()[0, 0])
-        raise ValueError(f"block_table row {row} names no valid pool slot (-1 or >= {num_slots}) for a position "
-                         f"below its context length {ctx_lens[row]} that the step reads")
+        raise ValueError(f"block_table row {row} names no valid pool slot (outside 0..{num_slots - 1}: a "
+                         f"placeholder, padding or a bad slot) for a position below its context length "
+                         f"{ctx_lens[row]} that the step reads")
     mask = ctx_pos[None, None, :] <= q_pos[:, :, None]
     if window is not None:
         mask &= ctx_pos[None, None, :] > q_pos[:, :, None] - window

@@ -7,6 +7,7 @@ lists by eviction order, tier moves, tensors); retention.py gives blocks the
 priorities requests ask for, integrity.py proves the books balance. Only the
 names below are the ledger's public surface.
 """
+from kvledger.worker.ledger.block import NO_BLOCK
 from kvledger.worker.ledger.budget import ContextBudget
 from kvledger.worker.ledger.config import CacheConfig, PoolLayout, WindowLayout
 from kvledger.worker.ledger.manager import KVCacheManager
@@ -18,6 +19,6 @@ from kvledger.worker.wire.request import DEFAULT_PRIORITY, Request, RetentionCon
 
 __all__ = [
     "Admission", "BlockHash", "BlockKey", "CacheConfig", "ContextBudget", "DEFAULT_PRIORITY", "KVCacheManager",
-    "KvCacheStats", "MmKey", "OutOfBlocksError", "PoolLayout", "PrefixReuseSummary", "Request", "RetentionConfig",
-    "StoredBlock", "TokenRange", "WindowLayout", "WindowStats", "block_hashes",
+    "KvCacheStats", "MmKey", "NO_BLOCK", "OutOfBlocksError", "PoolLayout", "PrefixReuseSummary", "Request",
+    "RetentionConfig", "StoredBlock", "TokenRange", "WindowLayout", "WindowStats", "block_hashes",
 ]

@@ -56,6 +56,11 @@ class Block:
         return TIER_MEDIUM[self.tier]
 
 
-PLACEHOLDER = Block(block_id=-1, slot=-1, tier=PRIMARY)
+NO_BLOCK = 2**31 - 1
+"""The id and slot of no block: int32's largest value, past every pool and every block list (``CacheConfig`` keeps
+them smaller). Reading it raises ``IndexError``, where -1 would wrap to the last block and hand back its data
+without a word; TensorRT-LLM's ``KVCacheIndex::nullIndex`` is likewise a value no real index takes."""
+
+PLACEHOLDER = Block(block_id=NO_BLOCK, slot=NO_BLOCK, tier=PRIMARY)
 """A position of a sliding window's block list whose block slid out of the window (or was never needed): it keeps
-the position in the sequence's block list and block table (slot -1) and holds no memory."""
+the position in the sequence's block list and block table (id and slot ``NO_BLOCK``) and holds no memory."""

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 from kvledger.worker.device import resolve_device
+from kvledger.worker.ledger.block import NO_BLOCK
 from kvledger.worker.wire.request import MAX_PRIORITY, MIN_PRIORITY
 
 
@@ -141,8 +142,12 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.offload_min_priority must be in 0..101, got {self.offload_min_priority}")
         resolve_device(self.device)
         self._check_windows()
-        if any(p == 0 for p, _ in self.window_block_counts()):
+        counts = self.window_block_counts()
+        if any(p == 0 for p, _ in counts):
             raise ValueError("CacheConfig: the primary tier needs at least one block")
+        if any(p + s >= NO_BLOCK for p, s in counts):
+            raise ValueError(f"CacheConfig: a window's pools hold {max(p + s for p, s in counts)} blocks; block ids "
+                             f"and slots stay below {NO_BLOCK}, the id of no block")
 
     def _check_windows(self) -> None:
         w = self.attention_windows

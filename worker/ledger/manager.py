@@ -18,12 +18,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
 
 from kvledger.worker.ledger.admission import Admitter
-from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, SECONDARY, Block
+from kvledger.worker.ledger.block import NO_BLOCK, PLACEHOLDER, PRIMARY, SECONDARY, Block
 from kvledger.worker.ledger.budget import (ContextBudget, blocks_to_completion, ceil_div, context_budget, sink_bubble,
                                            step_blocks)
 from kvledger.worker.ledger.config import CacheConfig
@@ -89,8 +90,15 @@ class KVCacheManager:
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, list[Block]] = {}
         self._round = SchedulingRound(self._windows)
-        events.put(KVCacheCreated(num_blocks={"GPU": self.num_primary, "CPU": self.num_secondary},
-                                  block_size=config.tokens_per_block))
+        events.put_n(self.created_events())
+
+    def created_events(self) -> list[KVCacheCreated]:
+        """What this ledger was created with: one ``KVCacheCreated`` per attention window, each window's own pool
+        (TensorRT-LLM's one created event per window size), its group named as ``BlockStored`` names it."""
+        return [KVCacheCreated(num_blocks={"GPU": w.pool.num_primary, "CPU": w.pool.num_secondary},
+                               block_size=self.tokens_per_block, group_idx=w.index,
+                               kv_cache_spec_kind=w.kind if self._windowed else None,
+                               kv_cache_spec_sliding_window=w.size) for w in self._windows]
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -145,8 +153,12 @@ class KVCacheManager:
 
         The next chunk computes ``num_tokens`` prompt tokens (default
         ``CacheConfig.context_chunk_size``; the rest of the prompt when that is
-        ``None``), fewer at the prompt's end; its blocks are allocated now.
-        Returns its prompt positions ``(start, end)``. Raises ``ValueError`` when
+        ``None``), fewer at the prompt's end; its blocks are allocated now. A
+        sliding window first releases the blocks no query from the chunk's
+        start attends to, stored first, as ``add_token`` does while decoding,
+        so a window holds at most ``window + chunk`` tokens' blocks (what
+        ``get_context_budget`` prices). Returns its prompt positions
+        ``(start, end)``. Raises ``ValueError`` when
         the whole prompt is admitted and ``OutOfBlocksError`` when the chunk's
         blocks do not fit, changing nothing either way.
         """
@@ -162,8 +174,10 @@ class KVCacheManager:
         start, end = seq.num_tokens, min(prompt, seq.num_tokens + size)
         need, tails = self._chunk_blocks(seq, end)
         self._check_growth(f"admitting a context chunk of request {request_id}",
-                           [need + tails] + [need] * (len(seq.windows) - 1))
+                           [need + tails] + [need] * (len(seq.windows) - 1), self._sliding_gains(seq, start))
         self._storer.store(seq, start // self.tokens_per_block)
+        if self._windowed:
+            self._slide(seq, start)
         first_new = len(seq.blocks)
         w0 = self._windows[0]
         seq.blocks += w0.alloc(need)
@@ -274,9 +288,8 @@ class KVCacheManager:
             # every beam grows alike
             self._check_growth(f"growing request {request_id}", (need * seq.request.beam_width,))
         else:
-            out = [w.sliding_out(blocks, start, old) for w, blocks, start in zip(self._windows, seq.windows, seq.slid)]
-            self._check_growth(f"growing request {request_id}", [need] * len(out),
-                               [sum(1 for b in o if b.ref_count == 1) for o in out])
+            self._check_growth(f"growing request {request_id}", [need] * len(self._windows),
+                               self._sliding_gains(seq, old))
             if not seq.opaque:   # store what the window is about to release: every token before ``old`` is written
                 self._storer.store(seq, old // T)
             self._slide(seq, old)
@@ -298,6 +311,13 @@ class KVCacheManager:
         self.pools.flush()
         if not seq.opaque:   # everything before this step's tokens is written (rejected drafts were rewound)
             self._storer.store(seq, (seq.num_tokens - n) // self.tokens_per_block)
+
+    def _sliding_gains(self, seq: Sequence, pos: int) -> list[int]:
+        """Per window, the blocks sliding out before a step from ``pos`` would free (those ``seq`` alone holds)."""
+        if not self._windowed:
+            return []
+        return [sum(1 for b in w.sliding_out(blocks, start, pos) if b.ref_count == 1)
+                for w, blocks, start in zip(self._windows, seq.windows, seq.slid)]
 
     def _slide(self, seq: Sequence, pos: int) -> None:
         """Release the blocks of sliding windows that no query from ``pos`` on attends to, leaving placeholders; the
@@ -348,14 +368,16 @@ class KVCacheManager:
         seq = self._running(request_id)
         self._storer.store(seq, min(len(seq.request.tokens), seq.num_tokens) // self.tokens_per_block)
 
-    @_checked
     def commit_and_get_block_hashes(self, request_id: int) -> list[int]:
-        """Store what of the request is written (its prompt's full blocks, and the decoded ones whose every
-        token's KV is) and return the hashes of all its full blocks, reused and newly stored, in order."""
+        """The hashes of the request's full blocks, in order: its prompt's admitted so far, reused or not, and the
+        decoded ones whose every token's KV is written.
+
+        Hashing only, as TensorRT-LLM's does: nothing is stored or announced. Called before prefill, storing would
+        publish blocks whose KV was never written; ``store_context_blocks`` (after prefill) and ``add_token``
+        store what is written."""
         seq = self._running(request_id)
         T = self.tokens_per_block
         count = max(min(len(seq.request.tokens), seq.num_tokens) // T, seq.storable_blocks(T))
-        self._storer.store(seq, count)
         seq.ensure_keys(count, T)
         return list(seq.hashes[:count])
 
@@ -458,7 +480,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: int, beam: int = 0, window: int = 0) -> list[int]:
         """Block ids of one beam of a running request, in sequence order; with attention windows, of one window
-        (ids of ``window_blocks(window)``, -1 for a placeholder)."""
+        (ids of ``window_blocks(window)``, ``NO_BLOCK`` for a placeholder)."""
         seq = self._running(request_id)
         if window != 0:
             if type(window) is not int or not 0 < window < len(seq.windows):
@@ -493,13 +515,17 @@ class KVCacheManager:
         return self._running(request_id).num_tokens
 
     def block_table(self, request_ids: Iterable[int]) -> torch.Tensor:
-        """Primary pool slots, ``int32 [rows, max_blocks]``, -1 where a row is shorter: a row per request, or per
-        beam of a beam search (``beam_width`` consecutive rows, beam 0 first). With several attention windows
-        ``int32 [rows, windows, max_blocks]``: each window's slots in its own pools, -1 for a placeholder."""
+        """Primary pool slots, ``int32 [rows, max_blocks]``: a row per request, or per beam of a beam search
+        (``beam_width`` consecutive rows, beam 0 first). With several attention windows
+        ``int32 [rows, windows, max_blocks]``: each window's slots in its own pools.
+
+        ``NO_BLOCK`` stands where a row holds no block: past the end of a row shorter than the longest, and at a
+        sliding window's placeholder (a block that slid out). It is past every pool, so a read of it raises
+        instead of wrapping to the last slot; a reader masks the positions it does not attend to."""
         seqs = [self._running(rid) for rid in request_ids]
         if len(self._windows) > 1:
             width = max((len(s.blocks) for s in seqs), default=0)
-            table = torch.full((len(seqs), len(self._windows), width), -1, dtype=torch.int32)
+            table = torch.full((len(seqs), len(self._windows), width), NO_BLOCK, dtype=torch.int32)
             for i, s in enumerate(seqs):
                 table[i, :, :len(s.blocks)] = torch.tensor([[b.slot for b in w] for w in s.windows], dtype=torch.int32)
             return table.to(self.pools.device)
@@ -510,22 +536,36 @@ class KVCacheManager:
             else:
                 rows.append([b.slot for b in seq.blocks])
         width = max((len(r) for r in rows), default=0)
-        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        table = torch.full((len(rows), width), NO_BLOCK, dtype=torch.int32)
         for i, r in enumerate(rows):
             table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
         return table.to(self.pools.device)
 
     def analyze_prefix_reuse(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                              mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> PrefixReuseSummary:
-        """What admitting ``tokens`` now would reuse (no state changes)."""
+        """What admitting ``tokens`` now would reuse (no state changes). With attention windows, a matched position
+        counts as allocated when every window that keeps a block there has it held by a running request (a
+        placeholder costs no block), so the figure does not depend on the order the windows are listed in."""
         validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
-        m = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids) if tokens else Match([])
-        decide_partial(m, set(), self.config.copy_on_partial_reuse)
+        m = self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids)
+        rows = zip(*m.windows) if m.windows is not None else ((b,) for b in m.full)
         return PrefixReuseSummary(
-            reusable_blocks_allocated=sum(1 for b in m.full if b.ref_count > 0),   # PLACEHOLDER's is 0
+            reusable_blocks_allocated=sum(1 for row in rows if all(b is PLACEHOLDER or b.ref_count > 0 for b in row)),
             reusable_blocks_all=len(m.full),
             total_matched_tokens=len(m.full) * self.tokens_per_block + m.partial_len,
             first_new_block=len(m.full))
+
+    def _match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
+               extra_ids: Seq[int] | None) -> Match:
+        m = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids) if tokens else Match([])
+        decide_partial(m, set(), self.config.copy_on_partial_reuse)
+        return m
+
+    def _held_matched(self, request: Request) -> tuple[int, ...]:
+        """Per window, the blocks matching ``request``'s prompt that running requests hold: they cost that window's
+        pool nothing."""
+        m = self._match(request.tokens, request.lora_id, request.cache_salt, request.mm_keys, request.extra_ids)
+        return tuple(sum(1 for b in m.held(w.index) if b.ref_count > 0) for w in self._windows)
 
     def probe_prefix_match_length(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                                   mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> int:
@@ -565,22 +605,32 @@ class KVCacheManager:
                            two_steps_lookahead)
 
     def get_context_budget(self, request: Request) -> ContextBudget:
-        """What admitting ``request``'s context costs, as TensorRT-LLM's ``getNeededBlocksOneStep`` prices a
-        context: ``prompt + min(drafts, max_new_tokens)`` tokens (at most ``window + chunk`` for a sliding window;
-        with several windows, the sum of their blocks and the least of their reuse) plus the sink bubble,
-        the tail per beam, less the matched blocks running requests hold; and the prompt tokens the prefix tree is
-        expected to supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
-        _require_request("get_context_budget", request)
-        T = self.tokens_per_block
+        """What admitting ``request``'s context costs: ``context_budget_by_window``, its blocks summed over the
+        windows (each window draws on its own pool: a scheduler compares ``context_budget_by_window`` with
+        ``free_blocks_by_window``, never this sum with one pool) and the least of their reusable tokens."""
+        per = self.context_budget_by_window(request)
+        if len(per) == 1:
+            return per[0]
+        return ContextBudget(sum(b.blocks for b in per), min(b.estimated_reusable_tokens for b in per))
+
+    def context_budget_by_window(self, request: Request) -> tuple[ContextBudget, ...]:
+        """Each window's price of admitting ``request``'s context, in ``window_block_counts`` order, as
+        TensorRT-LLM's ``getNeededBlocksOneStep`` prices a context: ``prompt + min(drafts, max_new_tokens)`` tokens
+        (at most ``window + chunk`` for a sliding window) plus the sink bubble, the tail per beam, less the matched
+        blocks that running requests hold in that window; and the prompt tokens the prefix tree is expected to
+        supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
+        _require_request("context_budget_by_window", request)
         n = len(request.tokens)
-        reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
-                                          request.extra_ids) if self.config.enable_block_reuse else None
-        budgets = [context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width, T,
-                                  self.config.context_chunk_size or n, w.size, sink_bubble(self.config.sink_tokens, T),
-                                  reuse) for w in self._windows]
-        if len(budgets) == 1:
-            return budgets[0]
-        return ContextBudget(sum(b.blocks for b in budgets), min(b.estimated_reusable_tokens for b in budgets))
+        reuse = held = None
+        if self.config.enable_block_reuse:
+            reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
+                                              request.extra_ids)
+            held = self._held_matched(request)
+        bubble = sink_bubble(self.config.sink_tokens, self.tokens_per_block)
+        return tuple(context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width,
+                                    self.tokens_per_block, self.config.context_chunk_size or n, w.size, bubble,
+                                    None if reuse is None else replace(reuse, reusable_blocks_allocated=held[w.index]))
+                     for w in self._windows)
 
     def get_remaining_blocks_to_completion(self, request: Request) -> int:
         """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded), its last
@@ -599,7 +649,7 @@ class KVCacheManager:
         if not self._windowed:
             if seq is not None:
                 return (max(0, total - sum(len(h) for h in seq.holders())),)
-            return (total - self._reusable(request),)
+            return (total - self._held_matched(request)[0],)
         # a sliding window holds the prompt's blocks, then those of one window and one filling
         T = self.tokens_per_block
         totals = [min(total, max(ceil_div(len(request.tokens), T), ceil_div(w.size + request.num_draft_tokens, T) + 1))
@@ -607,12 +657,8 @@ class KVCacheManager:
         if seq is not None:
             return tuple(max(0, t - sum(1 for b in blocks if b is not PLACEHOLDER))
                          for t, blocks in zip(totals, seq.windows))
-        reusable = self._reusable(request)
-        return tuple(t - reusable if w.size is None else t for t, w in zip(totals, self._windows))
-
-    def _reusable(self, request: Request) -> int:
-        return self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
-                                         request.extra_ids).reusable_blocks_allocated
+        held = self._held_matched(request)
+        return tuple(t - held[w.index] if w.size is None else t for t, w in zip(totals, self._windows))
 
     def context_limit(self) -> int | None:
         """The most tokens, prompt and output, one request can ever hold here: a full-attention window keeps

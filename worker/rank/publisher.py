@@ -4,7 +4,7 @@ The rank drains its ledger every few milliseconds; each non-empty drain becomes
 batch ``seq`` (from 0, per rank). A router that sees a gap asks ``replay``; one
 that starts late, or that the buffer no longer reaches, asks ``snapshot``. An
 overflow of the ledger's own event buffer lost events no replay can restore,
-so the next batch opens with ``KVCacheCreated``, which tells routers to
+so the next batch opens with ``KVCacheCreated`` (one per attention window), which tells routers to
 re-snapshot the rank.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from kvledger.worker.ledger.manager import KVCacheManager
 from kvledger.worker.rank.faults import CrashPoints
 from kvledger.worker.wire.batches import PublishedBatch, Snapshot
-from kvledger.worker.wire.events import EventBatch, KVCacheCreated, KVEvent, encode_batch
+from kvledger.worker.wire.events import EventBatch, KVEvent, encode_batch
 
 
 class EventPublisher:
@@ -56,9 +56,7 @@ class EventPublisher:
         dropped = self.manager.stats().events_dropped
         if dropped != self._dropped_seen:
             self._dropped_seen = dropped
-            created = KVCacheCreated(num_blocks={"GPU": self.manager.num_primary, "CPU": self.manager.num_secondary},
-                                     block_size=self.manager.tokens_per_block)
-            events = [created, *events]
+            events = [*self.manager.created_events(), *events]
         if not events:
             return None
         batch = PublishedBatch(self._next, encode_batch(EventBatch(ts=self.clock(), events=events, rank=self.rank)))

@@ -108,7 +108,9 @@ class RankWorker:
         return RankInfo(self.rank, str(self.device), self.group.backend, self.group.joined, mgr is not None,
                         self.template.tokens_per_block, 0 if mgr is None else mgr.num_primary,
                         0 if mgr is None else mgr.num_secondary, dataclasses.asdict(self.transfers.counts),
-                        MODEL_NAME, TOKENIZER, None if mgr is None else mgr.context_limit())
+                        MODEL_NAME, TOKENIZER, None if mgr is None else mgr.context_limit(),
+                        () if mgr is None else tuple((lay.window, d, h) for lay, (d, h)
+                                                     in zip(mgr.config.window_layouts, mgr.window_block_counts)))
 
     def snapshot(self) -> list[StoredBlock]:
         with self.books.lock:

@@ -71,10 +71,18 @@ class AllBlocksCleared:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheCreated:
-    """A ledger came up with these blocks per tier."""
+    """A ledger came up with these blocks per tier: one event per attention window, each counting its own pool, as
+    TensorRT-LLM enqueues one created event per window size (a sum over windows would be no pool's size)."""
 
     num_blocks: dict[str, int]
     block_size: int
+    group_idx: int = 0
+    """The attention window group the counts are of (as ``BlockStored.group_idx``); 0 for one window."""
+    kv_cache_spec_kind: str | None = None
+    """``"full_attention"`` or ``"sliding_window"``, as ``BlockStored`` says it; ``None`` from a ledger without
+    ``attention_windows`` (and from older ranks)."""
+    kv_cache_spec_sliding_window: int | None = None
+    """The group's window in tokens, for a sliding window."""
 
 
 @dataclass(slots=True)

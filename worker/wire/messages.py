@@ -121,6 +121,8 @@ class RankInfo:
     ready: bool
     tokens_per_block: int
     device_blocks: int = 0
+    """Device-tier blocks, summed over the attention windows' pools (``windows`` has each: no request can use the
+    sum of several)."""
     host_blocks: int = 0
     transfers: dict[str, int] = field(default_factory=dict)
     """How this rank's migrations moved their bytes: sent/received straight from the pool or through staging."""
@@ -132,6 +134,9 @@ class RankInfo:
     max_context: int | None = None
     """The most prompt and output tokens one request can ever hold here (the full-attention window's pool;
     ``None``: no bound known)."""
+    windows: tuple[tuple[int | None, int, int], ...] = ()
+    """Each attention window's own pool: ``(window in tokens or None for full attention, device blocks, host
+    blocks)``, in the ledger's window order; empty before the ledger is built."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvledger.worker.engine.reference import ReferenceEngine
+from kvledger.worker.engine.reference import ReferenceEngine, ServeResult
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
 from kvledger.worker.rank.scheduler import BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
@@ -54,12 +54,18 @@ def cache(rng: random.Random, blocks: int) -> CacheConfig:
 
 
 def scratch(cfg: CacheConfig, r: Request) -> list[int]:
-    """``r`` alone on a fresh ledger of the same model with room to spare."""
+    """``r``'s tokens alone on a fresh ledger of the same model with room to spare."""
+    return scratch_result(cfg, r).output_tokens
+
+
+def scratch_result(cfg: CacheConfig, r: Request) -> ServeResult:
+    """``r`` alone on a fresh ledger of the same model (this module's geometry, ``cfg``'s windows) with room to
+    spare: its tokens, and its log-probabilities when ``r.sampling`` asks for them."""
     big = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=256, attention_windows=cfg.attention_windows)
     alone = Request(0, r.tokens, r.max_new_tokens, sampling=r.sampling)
     (res,) = ReferenceEngine(big).serve(KVCacheManager(big), [alone])
-    return res.output_tokens
+    return res
 
 
 def requests(rng: random.Random, full_blocks: int) -> list[Request]:

@@ -28,7 +28,7 @@ import torch
 
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
-from kvledger.worker.rank.batch import BatchDriver
+from kvledger.worker.rank.batch import BatchDriver, ServeResult
 from kvledger.worker.rank.scheduler import CAPACITY_POLICIES, BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.request import GREEDY, Request, Sampling
@@ -60,13 +60,19 @@ def cache(rng: random.Random, blocks: int) -> CacheConfig:
 
 
 def scratch(cfg: CacheConfig, r: Request) -> list[list[int]]:
-    """``r`` alone on a fresh ledger of the same model with room to spare, and drafting nothing: its tokens (a
-    beam search's every beam)."""
+    """``r``'s tokens alone on a fresh ledger with room to spare, drafting nothing (a beam search's every beam)."""
+    res = scratch_result(cfg, r)
+    return res.beams.tokens if res.beams is not None else [res.output_tokens]
+
+
+def scratch_result(cfg: CacheConfig, r: Request) -> ServeResult:
+    """``r`` alone on a fresh ledger of the same model (this module's geometry, ``cfg``'s windows) with room to
+    spare and drafting nothing: its tokens, and its log-probabilities when ``r.sampling`` asks for them."""
     big = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", num_primary_blocks=256, attention_windows=cfg.attention_windows)
     alone = Request(0, r.tokens, r.max_new_tokens, sampling=r.sampling, beam_width=r.beam_width)
     (res,) = BatchDriver(ReferenceEngine(big)).serve(KVCacheManager(big), [alone])
-    return res.beams.tokens if res.beams is not None else [res.output_tokens]
+    return res
 
 
 def requests(rng: random.Random, full_blocks: int, windowed: bool) -> list[Request]:

@@ -1,4 +1,5 @@
-"""What the tests of a router over a real local Ray cluster share: prompts of a test's own, and bounded waits."""
+"""What the tests of a router over a real local Ray cluster share: prompts of a test's own, bounded waits, and
+the check that ranks are left idle and balanced."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,14 @@ def system(tag: str) -> str:
     p = f"{tag}: {SYSTEM}"[:len(SYSTEM) - 1] + "\n"
     assert len(encode(p)) == len(encode(SYSTEM)), p
     return p
+
+
+def idle(cluster) -> None:
+    """Every rank of ``cluster`` (a ``Cluster``) balances its books and holds no running request's block."""
+    for r, client in enumerate(cluster.clients):
+        client.check_integrity()
+        load = client.load()
+        assert load.running_requests == load.queued_requests == 0 and load.device_blocks_used == 0, (r, load)
 
 
 def wait_for(cond, what: str, timeout_s: float = 20.0):

@@ -27,6 +27,8 @@ from kvledger.worker.rank.batch import BatchDriver
 from kvledger.worker.wire.messages import RankBusyError
 from kvledger.worker.wire.request import Request
 
+from router_helpers import idle
+
 T = 8
 TIMEOUT = 60
 PREFIX = "kvledger-batching-test-rank"
@@ -76,14 +78,6 @@ def wait_load(rank, cond, what: str) -> None:
         if cond(rank.load()):
             return
     pytest.fail(f"timed out waiting for {what}")
-
-
-def idle(cluster: Cluster) -> None:
-    """Every rank's books balance and hold no running request's block."""
-    for r, client in enumerate(cluster.clients):
-        client.check_integrity()
-        load = client.load()
-        assert load.running_requests == load.queued_requests == 0 and load.device_blocks_used == 0, (r, load)
 
 
 def test_a_short_request_joins_a_running_long_one_and_leaves_first(routed, ray_session):

@@ -15,10 +15,11 @@ from kvledger.worker.wire.request import Request
 T = 4
 
 
-def make_rank(primary_blocks: int = 32, secondary_blocks: int = 0, rank: int = 0, world: int = 1) -> RankWorker:
+def make_rank(primary_blocks: int = 32, secondary_blocks: int = 0, rank: int = 0, world: int = 1,
+              context_chunk_size: int | None = None) -> RankWorker:
     cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                       device="cpu", primary_bytes=primary_blocks * 2 * 2 * T * 2 * 8 * 4,
-                      num_secondary_blocks=secondary_blocks)
+                      num_secondary_blocks=secondary_blocks, context_chunk_size=context_chunk_size)
     w = RankWorker(rank, world, cfg, seed=0)
     w.build_ledger(*w.local_block_counts())
     return w
@@ -104,6 +105,24 @@ def test_export_pins_and_import_allocates_only_missing_blocks():
     src.export_end(export.pin_id)
     assert src.load().device_blocks_used == 0 and dst.load().device_blocks_used == 0
     assert dst.probe(prompt) == 2 * T, "an aborted import stores nothing"
+    src.check_integrity()
+    dst.check_integrity()
+
+
+def test_an_import_under_chunked_prefill_takes_the_whole_prefix_and_serves_the_sources_kv():
+    """An import's blocks are received, not computed: it holds them all at once, never just a first context
+    chunk's (it held 2 of 8 and stored the source's blocks 6 and 7 as the prompt's first two)."""
+    src, dst = make_rank(context_chunk_size=2 * T), make_rank(context_chunk_size=2 * T)
+    prompt = list(range(50, 50 + 8 * T + 1))
+    src.serve([Request(1, prompt)])
+    export = src.export_begin(prompt)
+    target = dst.import_begin(prompt, export.blocks)
+    assert export.blocks == target.blocks == 8
+    dst.import_write(target.import_id, src.export_read(export.pin_id, export.blocks - target.blocks))
+    assert dst.probe(prompt) == 8 * T
+    here, there = (w.serve([Request(2, prompt[:T + 1], 1)], logits=True).outcomes[0] for w in (src, dst))
+    assert here.cached_tokens == there.cached_tokens == T
+    assert torch.allclose(torch.tensor(here.last_logits), torch.tensor(there.last_logits), atol=1e-5)
     src.check_integrity()
     dst.check_integrity()
 

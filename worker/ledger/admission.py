@@ -55,10 +55,11 @@ class Admitter:
         self._tree, self._windows, self._pool = tree, windows, windows[0].pool
         self._windowed = len(windows) > 1 or windows[0].size is not None
 
-    def plan(self, requests: Seq[Request]) -> list[Plan]:
-        """Decide every request's reuse without changing anything (a dry run of the claims)."""
+    def plan(self, requests: Seq[Request], chunked: bool = True) -> list[Plan]:
+        """Decide every request's reuse without changing anything (a dry run of the claims); ``chunked=False``
+        plans each whole context, whatever ``context_chunk_size`` says."""
         T = self.tokens_per_block
-        chunk = self.config.context_chunk_size
+        chunk = self.config.context_chunk_size if chunked else None
         claimed: set[int] = set()
         taken: set[int] = set()
         plans = []

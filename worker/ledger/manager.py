@@ -121,12 +121,14 @@ class KVCacheManager:
         return self.add_sequences([request])[0]
 
     @_checked
-    def add_sequences(self, requests: Seq[Request]) -> list[int]:
+    def add_sequences(self, requests: Seq[Request], chunked: bool = True) -> list[int]:
         """Admit a batch: every request claims its matches before any block is allocated.
 
         So one request's allocation cannot evict what another in the batch was
         counted to reuse. Raises ``OutOfBlocksError`` (changing nothing) when the
-        batch does not fit.
+        batch does not fit. ``chunked=False`` allocates each whole context at
+        once even under ``context_chunk_size``: for blocks whose KV is received,
+        not computed chunk by chunk (a migration's import).
         """
         ids = set()
         for r in requests:
@@ -138,7 +140,7 @@ class KVCacheManager:
                                  f"with attention windows {self.config.attention_windows}")
             ids.add(r.request_id)
         self.refresh_blocks()
-        plans = self._admit.plan(requests)
+        plans = self._admit.plan(requests, chunked)
         self._admit.check_capacity(plans)
         seqs = self._admit.apply(plans)
         for seq in seqs:

@@ -482,7 +482,7 @@ class TransferEndpoints:
                       cache_salt=cache_salt)
         with self.books.lock:
             mgr = self.books.ledger()
-            mgr.add_sequence(req)
+            mgr.add_sequences([req], chunked=False)   # received whole: no context chunk is computed here
             first_new = mgr.admission(rid).reused_blocks
             if first_new >= num_blocks:
                 mgr.remove_sequence(rid)

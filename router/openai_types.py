@@ -64,6 +64,11 @@ class _Sampled(_Body):
     ignore_eos: StrictBool | None = None
     """vLLM's extension: generate ``max_tokens`` even past the end-of-sequence token (the reference engine
     always does)."""
+    use_beam_search: StrictBool | None = None
+    """vLLM's extension: the ``n`` choices are the ``n`` beams of one beam search, best first."""
+    length_penalty: StrictFloat | None = None
+    """vLLM's beam-search extension: scores divided by length to this power (every beam here is as long as the
+    others, so it orders nothing)."""
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     """Only requests with the same salt share KV (under a tenant, namespaced under it: ``router.tenants``)."""
     lora_id: Annotated[StrictInt, Field(ge=0)] | None = None
@@ -86,7 +91,7 @@ class _Sampled(_Body):
 
 #: The sampling parameters a vLLM server gets as the client sent them (``n`` and the token limits apart).
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos",
-            "logprobs", "top_logprobs")
+            "use_beam_search", "length_penalty", "logprobs", "top_logprobs")
 
 
 class CompletionBody(_Sampled):

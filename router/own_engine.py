@@ -60,6 +60,20 @@ def sampling_of(job: Generation, model: str, choice: int) -> Sampling:
                     None if seed is None else seed + choice, _top_logprobs(job))
 
 
+def beam_search_of(job: Generation, model: str) -> Request:
+    """``job``'s ``n`` choices as the beams of one beam search (vLLM's ``use_beam_search``): it scores tokens by
+    their log-probability, so sampling parameters and log-probabilities are refused by name."""
+    f = job.fields
+    for name in ("temperature", "top_p", "top_k", "seed", "logprobs", "top_logprobs", *PENALTIES):
+        if f.get(name) not in (None, 1.0 if name == "top_p" else 0):
+            raise ParamError(name, f"{name}={f[name]!r}: a beam search on the {model} ranks samples nothing and "
+                                   "scores by log-probability")
+    if job.max_tokens < 1:
+        raise ParamError("max_tokens", f"max_tokens={job.max_tokens}: a beam search generates a token at least")
+    return Request(job.request_id, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
+                   retention=retention_for(job.priority), beam_width=job.n)
+
+
 def _top_logprobs(job: Generation) -> int | None:
     """How many of the likeliest tokens' log-probabilities each token reports (``None``: none at all): the
     completions API's ``logprobs`` count, or the chat API's ``logprobs`` switch and ``top_logprobs`` count."""
@@ -90,10 +104,12 @@ class OwnEngine:
         return self._info
 
     def requests(self, job: Generation) -> list[Request]:
-        """The ``n`` requests of ``job`` (ids ``request_id`` on; its prefill's is ``request_id + n``), each
-        checked; ``ValueError`` names a bad one."""
+        """The ``n`` requests of ``job`` (ids ``request_id`` on; its prefill's is ``request_id + n``), or its one
+        beam search of ``n`` beams, each checked; ``ValueError`` names a bad one."""
         if not 1 <= job.n <= MAX_N:
             raise ParamError("n", f"n must be 1..{MAX_N}, got {job.n!r}")
+        if job.fields.get("use_beam_search") and job.n > 1:
+            return [beam_search_of(job, self._info.model)]
         return [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
                        retention=retention_for(job.priority), sampling=sampling_of(job, self._info.model, i))
                for i in range(job.n)]
@@ -104,6 +120,8 @@ class OwnEngine:
     def generate(self, job: Generation) -> Generated:
         requests = self.requests(job)
         cached = None
+        if requests[0].beam_width > 1:
+            return self._beams(job, requests[0])
         if len(requests) > 1:   # the prompt computed once: the choices then reuse its blocks
             (prefill,) = self._serve([Request(job.request_id + job.n, list(job.tokens), 0, job.lora_id,
                                               job.cache_salt, retention=retention_for(job.priority))])
@@ -118,6 +136,16 @@ class OwnEngine:
                                    choices, usage(len(job.tokens), sum(len(o.output_tokens) for o in outcomes),
                                                   cached), job.chat)
         return Generated(answer, first.output_tokens, cached, sum(o.onboarded_blocks for o in outcomes))
+
+    def _beams(self, job: Generation, request: Request) -> Generated:
+        """A beam search's answer: a choice per beam, best first."""
+        (out,) = self._serve([request])
+        decode, stops = self._info.tokenizer.decode, stops_of(job.fields)
+        choices = [make_choice(beam, None, None, stops, job.chat, decode) for beam in out.beams]
+        answer = completion_answer(f"{'chatcmpl' if job.chat else 'cmpl'}-{job.request_id}", self._info.model,
+                                   choices, usage(len(job.tokens), sum(len(b) for b in out.beams),
+                                                  out.cached_tokens), job.chat)
+        return Generated(answer, out.output_tokens, out.cached_tokens, out.onboarded_blocks)
 
     def _serve(self, requests: list[Request]) -> list[ServeOutcome]:
         """The rank's outcomes; its events to the feed before they are answered."""

@@ -136,6 +136,8 @@ def test_models_and_a_streamed_completion_as_server_sent_events(router):
     ({"prompt": [1, 600]}, "prompt", "vocabulary"),
     ({"prompt": list(range(1, 400)), "max_tokens": 4096}, "prompt", "the request needs 4495 (399 in the prompt"),
     ({"max_tokens": 3}, "prompt", "Field required"),
+    ({"prompt": "x", "n": 2, "use_beam_search": True, "temperature": 0.5}, "temperature", "samples nothing"),
+    ({"prompt": "x", "n": 2, "use_beam_search": True, "max_tokens": 0}, "max_tokens", "a token at least"),
 ])
 def test_bad_requests_get_400_naming_the_field_and_change_nothing(router, body, param, needle):
     service, _, client = router
@@ -146,6 +148,17 @@ def test_bad_requests_get_400_naming_the_field_and_change_nothing(router, body, 
     assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error", err
     after = service.report(refresh=False).to_dict()
     assert after["router"] == before["router"]
+
+
+def test_a_beam_search_answers_its_beams_as_the_n_choices(router):
+    _, _, client = router
+    r = client.post("/v1/completions", json={"prompt": prefix("b") + "beams", "max_tokens": 5, "n": 3,
+                                             "use_beam_search": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    texts = [c["text"] for c in body["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 3 and body["usage"]["completion_tokens"] == 15
+    assert decode(body["kvledger"]["output_token_ids"]) == texts[0], "the best beam first"
 
 
 def test_malformed_json_and_bad_queries_are_400_too(router):

@@ -9,7 +9,9 @@ prefixes (so blocks are reused, offloaded and onboarded), greedy or seeded
 sampling, some drafting tokens by prompt lookup, some searching beams. In
 some rounds a migration's import takes blocks from under the running batch
 for a moment and gives them back (``import_begin`` / ``import_abort``), which
-forces preemption. Every output (every beam) is compared with the same request
+forces preemption; a migration's export pins a stored prefix, onboarding it,
+and reads it out (``export_begin`` / ``export_read``); a client's request is
+aborted, queued or running (``abort``). Every output (every beam) is compared with the same request
 served alone on a fresh ledger with room to spare and drafting nothing, and
 the ledger's walking integrity check runs after every ledger call
 (``CacheConfig.check_integrity``) and after the round.
@@ -31,6 +33,7 @@ from kvledger.worker.ledger import CacheConfig, KVCacheManager
 from kvledger.worker.rank.batch import BatchDriver, ServeResult
 from kvledger.worker.rank.scheduler import CAPACITY_POLICIES, BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
+from kvledger.worker.wire.errors import OutOfBlocksError, RequestAbortedError
 from kvledger.worker.wire.request import GREEDY, Request, Sampling
 
 T = 4
@@ -45,6 +48,8 @@ class FuzzReport:
     steps: int = 0
     preempted: int = 0
     beam_searches: int = 0
+    aborted: int = 0
+    exported: int = 0
     drafted: int = 0
     accepted: int = 0
     divergences: list[str] = field(default_factory=list)
@@ -124,15 +129,39 @@ def fuzz_round(seed: int, report: FuzzReport) -> None:
             time.sleep(rng_squat.uniform(0, 0.01))
             w.import_abort(ticket.import_id)
 
-    rng_squat = random.Random(seed + 1)
+    def export() -> None:
+        """A migration source pins a stored prefix (onboarding it from the host tier), reads it and lets go."""
+        for _ in range(3):
+            time.sleep(rng_export.uniform(0, 0.01))
+            try:
+                ticket = w.export_begin(rng_export.choice(PREFIXES) + [1])
+            except OutOfBlocksError:   # no room to onboard it now
+                continue
+            w.export_read(ticket.pin_id, 0)
+            report.exported += ticket.blocks
+
+    def abort() -> None:
+        """A client goes away: its request is aborted wherever it is, queued or running."""
+        time.sleep(rng_abort.uniform(0, 0.02))
+        aborted.update(w.abort([rng_abort.choice(reqs).request_id]))
+
+    rng_squat, rng_export, rng_abort = random.Random(seed + 1), random.Random(seed + 2), random.Random(seed + 3)
+    aborted: set[int] = set()
     threads = [threading.Thread(target=send, args=(r,)) for r in reqs]
     if rng.random() < 0.5:
         threads.append(threading.Thread(target=squat))
+    if cfg.attention_windows is None and rng.random() < 0.3:
+        threads.append(threading.Thread(target=export))
+    if rng.random() < 0.2:
+        threads.append(threading.Thread(target=abort))
     for t in threads:
         t.start()
     for t in threads:
         t.join(WAIT_S)
     for r in reqs:
+        if r.request_id in aborted and isinstance(got.get(r.request_id), RequestAbortedError):
+            report.aborted += 1
+            continue
         want = scratch(cfg, r)
         if got.get(r.request_id) != want:
             report.divergences.append(f"seed {seed}: request {r.request_id} ({len(r.tokens)} tokens, "
@@ -165,7 +194,8 @@ def main() -> None:
     t0 = time.perf_counter()
     r = fuzz(range(args.first_seed, args.first_seed + args.rounds))
     print(f"{r.rounds} rounds, {r.requests} requests ({r.beam_searches} beam searches; {r.drafted} draft tokens "
-          f"checked, {r.accepted} accepted), {r.steps} rank steps, {r.preempted} preemptions in "
+          f"checked, {r.accepted} accepted; {r.aborted} aborted), {r.exported} blocks exported, {r.steps} rank "
+          f"steps, {r.preempted} preemptions in "
           f"{time.perf_counter() - t0:.0f} s: {len(r.divergences)} divergences, {len(r.integrity_errors)} integrity "
           "violations")
     for line in r.divergences[:20] + r.integrity_errors[:20]:

@@ -14,6 +14,7 @@ from kvledger.worker.ledger import CacheConfig, KVCacheManager
 from kvledger.worker.rank.batch import BatchDriver
 from kvledger.worker.rank.scheduler import BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
+from kvledger.worker.wire.errors import RequestAbortedError
 from kvledger.worker.wire.request import Request, Sampling
 
 T = 4
@@ -152,3 +153,35 @@ def test_a_capacity_policy_or_a_draft_count_out_of_range_is_refused_by_name():
         BatchingConfig(capacity_policy="first_come")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         BatchingConfig(num_speculative_tokens=-1)
+
+
+def test_aborting_a_running_and_a_queued_request_frees_their_blocks_and_tells_their_callers():
+    """One request decoding, one queued behind it (a batch of one): both aborted, each caller gets
+    ``RequestAbortedError``; the running one's written prompt blocks stay stored for reuse, nothing stays held,
+    and an id that is not in is passed over."""
+    w = RankWorker(0, 1, cache(64), batching=BatchingConfig(max_num_seqs=1))
+    w.build_ledger(64, 0)
+    running, queued = Request(1, tokens(30, 9), 200), Request(2, tokens(31, 9), 4)
+    errors: dict = {}
+
+    def send(r: Request) -> None:
+        try:
+            w.serve([r])
+        except RequestAbortedError as e:
+            errors[r.request_id] = e
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in (running, queued)]
+    threads[0].start()
+    until(lambda: w.load().steps >= 2, "the first request to decode")
+    threads[1].start()
+    until(lambda: w.load().queued_requests == 1, "the second to queue")
+    assert w.abort([2, 1, 77]) == [1, 2]
+    for t in threads:
+        t.join(WAIT_S)
+    assert sorted(errors) == [1, 2] and errors[1].request_id == 1 and "aborted" in str(errors[1])
+    load = w.load()
+    assert load.running_requests == load.queued_requests == 0 and w.manager.stats().used_num_blocks == 0
+    assert w.probe(running.tokens + [1]) == 8, "the aborted request's written prompt blocks stay reusable"
+    w.check_integrity()
+    (again,) = w.serve([Request(3, queued.tokens, 4)]).outcomes
+    assert again.output_tokens == scratch(queued, 64)

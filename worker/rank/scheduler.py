@@ -47,7 +47,7 @@ from kvledger.worker.ledger.manager import KVCacheManager
 from kvledger.worker.rank.batch import BatchDriver, RunningRequest, ServeResult, StepRecord
 from kvledger.worker.rank.books import RankBooks
 from kvledger.worker.wire.batches import PublishedBatch
-from kvledger.worker.wire.errors import OutOfBlocksError, RankNotReadyError
+from kvledger.worker.wire.errors import OutOfBlocksError, RankNotReadyError, RequestAbortedError
 from kvledger.worker.wire.messages import RankBusyError
 from kvledger.worker.wire.request import Request
 
@@ -399,6 +399,26 @@ class BatchScheduler:
         logger.info("rank %d: request %d preempted (%s); it starts over", self.books.rank,
                     victim.request.request_id, error)
         return False
+
+    def abort(self, request_ids: Sequence[int]) -> list[int]:
+        """Abort ``request_ids`` between two steps: a queued one leaves the queue, a running one the batch and the
+        ledger (its written KV stored for reuse, as a preempted request's); each caller gets
+        ``RequestAbortedError``. Ids not queued or running (finished, or never sent) are passed over; returns
+        those that were in."""
+        wanted = set(request_ids)
+        with self.books.lock, self._cv:
+            queued = [e for e in self._waiting if e.request.request_id in wanted]
+            running = [e for e in self._running if e.request.request_id in wanted]
+            if running:
+                self.driver.abort(self.books.ledger(), [e.running for e in running])
+            self._waiting = collections.deque(e for e in self._waiting if e not in queued)
+            self._running = [e for e in self._running if e not in running]
+            for e in queued + running:
+                self._sampler.drop(e.request.request_id)
+                self._ids.discard(e.request.request_id)
+        for e in queued + running:
+            e.ticket.fail(RequestAbortedError(self.books.rank, e.request.request_id))
+        return sorted(e.request.request_id for e in queued + running)
 
     def _abort(self, error: BaseException, queued: bool) -> None:
         """A step failed: the running requests (and with ``queued`` the queued ones) leave the ledger unfinished

@@ -96,6 +96,10 @@ class RankWorker:
     def serve(self, requests: Sequence[Request], logits: bool = False, publish: bool = False) -> ServeReply:
         return self.server.serve(requests, logits, publish)
 
+    def abort(self, request_ids: Sequence[int]) -> list[int]:
+        """Abort queued or running requests (a client that went away); the ids that were still in."""
+        return self.server.scheduler.abort(request_ids)
+
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> int:
         return self.server.probe(tokens, lora_id, cache_salt)
 

@@ -22,3 +22,15 @@ class OutOfBlocksError(RuntimeError):
 
 class RankNotReadyError(RuntimeError):
     """The rank has no ledger yet: it (re)started and the block counts were not agreed since."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted before it finished (``RankWorker.abort``): it left the queue, or the running batch
+    with its written KV stored for reuse."""
+
+    def __init__(self, rank: int, request_id: int) -> None:
+        super().__init__(rank, request_id)
+        self.rank, self.request_id = rank, request_id
+
+    def __str__(self) -> str:
+        return f"request {self.request_id} was aborted on rank {self.rank}"

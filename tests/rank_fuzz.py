@@ -152,7 +152,7 @@ def fuzz_round(seed: int, report: FuzzReport) -> None:
         threads.append(threading.Thread(target=squat))
     if cfg.attention_windows is None and rng.random() < 0.3:
         threads.append(threading.Thread(target=export))
-    if rng.random() < 0.2:
+    if reqs and rng.random() < 0.2:
         threads.append(threading.Thread(target=abort))
     for t in threads:
         t.start()

@@ -590,3 +590,20 @@ def test_fresh_blocks_trade_slots_and_shared_or_stored_ones_are_refused_unchange
         assert [mgr.blocks[b].slot for b in ids] == before
     mgr.remove_sequence(2)
     mgr.check_integrity()
+
+
+def test_a_reservation_counts_a_host_tier_block_once_as_the_admission_takes_it():
+    """A's 3 blocks offloaded to the host tier: reserving a request that reuses them counts a primary block per
+    onboard, once (not also as a free primary block it would claim), and the commit takes exactly that."""
+    mgr = make_manager(primary=6, secondary=8)
+    serve(mgr, make_request(1, A))
+    mgr.remove_sequence(1)
+    serve(mgr, make_request(2, [7] * 24))                   # 6 blocks: A's 3 go to the host tier
+    mgr.remove_sequence(2)
+    assert sum(1 for b in mgr.blocks if b.tier == SECONDARY and b.node is not None) >= 3
+    mgr.start_scheduling()
+    r = make_request(3, A + [1])
+    free = mgr.stats().free_num_blocks
+    taken = mgr.scheduling_add_sequence(r)
+    mgr.add_sequences([r])
+    assert taken == free - mgr.stats().free_num_blocks == 4   # 3 onboards and 1 new block

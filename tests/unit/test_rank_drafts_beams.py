@@ -106,3 +106,20 @@ def test_a_rank_set_to_speculate_drafts_for_requests_that_ask_for_none():
     assert out.output_tokens == plain.output_tokens and out.drafted_tokens > 0
     (full,) = w.serve([Request(2, p, 16 * T - len(p))]).outcomes   # fills the pool: no room for drafts
     assert full.drafted_tokens == 0 and len(full.output_tokens) == 16 * T - len(p)
+
+
+def test_a_request_that_fills_the_pool_gets_no_drafts_even_sharing_a_running_prefix():
+    """Drafts take blocks at the last step: a request whose every block fills the pool is served undrafted,
+    also while a running request holds (and so would seem to lend it) the prefix it shares."""
+    w = RankWorker(0, 1, cache(blocks=16), batching=BatchingConfig(num_speculative_tokens=3))
+    w.build_ledger(*w.local_block_counts())
+    prefix = (prompts(3)[2] * 2)[:8 * T]
+    first = threading.Thread(target=w.serve, args=([Request(1, prefix + [1], 4 * T - 2)],))
+    first.start()
+    for _ in range(10_000):   # bounded: until the first request runs, holding the prefix's 8 blocks
+        if w.load().running_requests:
+            break
+        threading.Event().wait(0.001)
+    (full,) = w.serve([Request(2, prefix + [2], 16 * T - 8 * T - 1)]).outcomes
+    first.join(WAIT_S)
+    assert full.drafted_tokens == 0 and len(full.output_tokens) == 8 * T - 1

@@ -642,25 +642,32 @@ class KVCacheManager:
 
     def remaining_blocks_by_window(self, request: Request) -> tuple[int, ...]:
         """``get_remaining_blocks_to_completion`` per window, in ``window_block_counts`` order: what each window's
-        own pool must still supply. Before admission the prefix tree's reusable blocks are taken off the full
-        attention windows only (a sliding window may hold none of them when it needs its blocks)."""
-        _require_request("remaining_blocks_by_window", request)
-        total = blocks_to_completion(len(request.tokens), request.max_new_tokens, request.num_draft_tokens,
-                                     request.beam_width, self.tokens_per_block)
+        own pool must still supply. Before admission the matched blocks that running requests hold are taken off
+        the full attention windows only (a sliding window may hold none of them when it needs its blocks)."""
+        totals = self.blocks_to_completion_by_window(request)
         seq = self._seqs.get(request.request_id)
         if not self._windowed:
             if seq is not None:
-                return (max(0, total - sum(len(h) for h in seq.holders())),)
-            return (total - self._held_matched(request)[0],)
-        # a sliding window holds the prompt's blocks, then those of one window and one filling
-        T = self.tokens_per_block
-        totals = [min(total, max(ceil_div(len(request.tokens), T), ceil_div(w.size + request.num_draft_tokens, T) + 1))
-                  if w.size is not None else total for w in self._windows]
+                return (max(0, totals[0] - sum(len(h) for h in seq.holders())),)
+            return (totals[0] - self._held_matched(request)[0],)
         if seq is not None:
             return tuple(max(0, t - sum(1 for b in blocks if b is not PLACEHOLDER))
                          for t, blocks in zip(totals, seq.windows))
         held = self._held_matched(request)
         return tuple(t - held[w.index] if w.size is None else t for t, w in zip(totals, self._windows))
+
+    def blocks_to_completion_by_window(self, request: Request) -> tuple[int, ...]:
+        """The most blocks each window holds for ``request`` at once, shared or its own, its last step's drafts
+        counted: what that window's pool must be able to hold at all (a sliding window: the prompt's blocks, then
+        those of one window and one filling)."""
+        _require_request("blocks_to_completion_by_window", request)
+        T = self.tokens_per_block
+        total = blocks_to_completion(len(request.tokens), request.max_new_tokens, request.num_draft_tokens,
+                                     request.beam_width, T)
+        prompt = ceil_div(len(request.tokens), T)
+        return tuple(total if w.size is None else min(total, max(prompt, ceil_div(w.size + request.num_draft_tokens,
+                                                                                 T) + 1))
+                     for w in self._windows)
 
     def context_limit(self) -> int | None:
         """The most tokens, prompt and output, one request can ever hold here: a full-attention window keeps

@@ -42,7 +42,8 @@ class SchedulingRound:
         takes, reused_of = [], []
         for w, taken in enumerate(self.taken):
             reused = [b for b in match.to_onboard(w) if b.block_id not in taken]
-            free_now = sum(1 for b in reused if (b.sched_ref_count if b.ref_count else 0) == 0)
+            # a host-tier block takes a primary block to onboard into, not a free primary block of its own
+            free_now = sum(1 for b in reused if b.tier == PRIMARY and (b.sched_ref_count if b.ref_count else 0) == 0)
             takes.append(new_blocks + free_now + sum(1 for b in reused if b.tier == SECONDARY))
             reused_of.append(reused)
         self._take(takes, request_id, "")

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 LOOKUP_MAX, LOOKUP_MIN = 3, 1
 
 
-def propose_drafts(tokens: Sequence[int], k: int, lookup_max: int = LOOKUP_MAX, lookup_min: int = LOOKUP_MIN) -> list[int]:
+def propose_drafts(tokens: Sequence[int], k: int, lookup_max: int = LOOKUP_MAX,
+                   lookup_min: int = LOOKUP_MIN) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens`` of
     ``lookup_max`` down to ``lookup_min`` tokens; none when no such suffix occurs before."""
     n_tokens = len(tokens)

@@ -284,7 +284,7 @@ class BatchScheduler:
             except OutOfBlocksError as e:
                 if self._running:
                     return False   # it waits for the running requests to finish
-                if self._may_wait(mgr, mgr.remaining_blocks_by_window(head.request)):
+                if self._may_wait(mgr, head.request):
                     return True
                 self._pop(head)
                 head.ticket.fail(e)
@@ -330,10 +330,11 @@ class BatchScheduler:
             return None
         return mgr.scheduling_add_sequence
 
-    def _may_wait(self, mgr: KVCacheManager, need: tuple[int, ...]) -> bool:
+    def _may_wait(self, mgr: KVCacheManager, request: Request) -> bool:
         """Whether a head that finds no blocks free for it, with nothing running, waits for blocks held outside
         the batch to come back: only when its windows' pools could hold it at all, and for ``STALL_S``."""
-        if any(n > device for n, (device, _) in zip(need, mgr.window_block_counts)):
+        if any(n > device for n, (device, _) in zip(mgr.blocks_to_completion_by_window(request),
+                                                    mgr.window_block_counts)):
             return False
         return self._stall()
 

@@ -51,11 +51,10 @@ class RankServer:
         if not k or r.num_draft_tokens or r.beam_width > 1:
             return r
         drafting = dataclasses.replace(r, num_draft_tokens=k)
-        with self.books.lock:
-            mgr = self.books.ledger()
-            need = mgr.remaining_blocks_by_window(drafting)
-            if any(n > device for n, (device, _) in zip(need, mgr.window_block_counts)):
-                return r
+        mgr = self.books.ledger()
+        most = mgr.blocks_to_completion_by_window(drafting)
+        if any(n > device for n, (device, _) in zip(most, mgr.window_block_counts)):
+            return r
         return drafting
 
     def _outcome(self, res: ServeResult, logits: bool, steps: tuple[int, int]) -> ServeOutcome:

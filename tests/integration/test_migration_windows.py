@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_migration_pools import HEADS, TIMEOUT, T, mixed_cache, prompt, same_logits
+from test_migration_pools import HEADS, TIMEOUT, T, mixed_cache, prompt, served_as_scratch
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
@@ -36,9 +36,4 @@ def test_a_windowed_prefix_migrates_over_the_process_group_into_every_windows_po
     per_block = [h * 2 * T * 8 * 4 for h in HEADS]   # one layer per window
     # positions 2..5: the full window all four, the 8-token window 4..5, the 12-token window 3..5
     assert (m.matched_blocks, m.sent_blocks, m.bytes) == (6, 4, 2 * per_block[0] + 4 * per_block[1] + 3 * per_block[2])
-    (moved,) = c.client(1).serve([Request(3, p, 3)], logits=True).outcomes
-    assert moved.cached_tokens == 6 * T and moved.output_tokens == scratch.output_tokens
-    assert same_logits(moved, scratch)
-    for client in c.clients:
-        client.check_integrity()
-    assert [client.load().device_blocks_used for client in c.clients] == [0, 0]
+    served_as_scratch(c, p, scratch)

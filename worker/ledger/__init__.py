@@ -19,6 +19,6 @@ from kvledger.worker.wire.request import DEFAULT_PRIORITY, Request, RetentionCon
 
 __all__ = [
     "Admission", "BlockHash", "BlockKey", "CacheConfig", "ContextBudget", "DEFAULT_PRIORITY", "KVCacheManager",
-    "KvCacheStats", "MmKey", "NO_BLOCK", "OutOfBlocksError", "PinnedPrefix", "PoolLayout", "PrefixReuseSummary", "Request",
-    "RetentionConfig", "StoredBlock", "TokenRange", "WindowLayout", "WindowStats", "block_hashes",
+    "KvCacheStats", "MmKey", "NO_BLOCK", "OutOfBlocksError", "PinnedPrefix", "PoolLayout", "PrefixReuseSummary",
+    "Request", "RetentionConfig", "StoredBlock", "TokenRange", "WindowLayout", "WindowStats", "block_hashes",
 ]

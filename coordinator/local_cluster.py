@@ -93,7 +93,7 @@ class _CopyMover:
     def move(self, export: ExportTicket, start: int, target: ImportTicket) -> int:
         data = self.src.export_read(export.pin_id, start)
         self.dst.import_write(target.import_id, data)
-        return 0 if data is None else data.numel() * data.element_size()
+        return sum(d.numel() * d.element_size() for d in data)
 
 
 class LocalCluster:

@@ -149,6 +149,17 @@ def test_a_mixed_head_ledger_migrates_in_this_process():
     assert same_logits(moved, scratch)
 
 
+def served_as_scratch(c: Cluster, p: list[int], scratch) -> None:
+    """Rank 1 serves ``p`` reusing its 6 migrated blocks and answers as ``scratch`` did; both ranks' books
+    balance and hold nothing."""
+    (moved,) = c.client(1).serve([Request(3, p, 3)], logits=True).outcomes
+    assert moved.cached_tokens == 6 * T and moved.output_tokens == scratch.output_tokens
+    assert same_logits(moved, scratch)
+    for client in c.clients:
+        client.check_integrity()
+    assert [client.load().device_blocks_used for client in c.clients] == [0, 0]
+
+
 def two_ranks(name_prefix: str, blocks: int = 48) -> Iterator[Cluster]:
     """A cluster of two ranks of ``mixed_cache(blocks)`` on the session's Ray, for one module."""
     c = Cluster.start(ClusterConfig(num_ranks=2, device="cpu", cache=mixed_cache(blocks), name_prefix=name_prefix,
@@ -170,12 +181,7 @@ def test_a_mixed_head_ledger_migrates_over_the_process_group(mixed_cluster):
     m = c.migrator.migrate(p, src=0, dst=1)
     block_bytes = sum(h * 2 * T * 8 * 4 for h in HEADS)
     assert (m.matched_blocks, m.sent_blocks, m.bytes) == (6, 4, 4 * block_bytes)
-    (moved,) = c.client(1).serve([Request(3, p, 3)], logits=True).outcomes
-    assert moved.cached_tokens == 6 * T and moved.output_tokens == scratch.output_tokens
-    assert same_logits(moved, scratch)
-    for client in c.clients:
-        client.check_integrity()
-    assert [client.load().device_blocks_used for client in c.clients] == [0, 0]
+    served_as_scratch(c, p, scratch)
 
 
 @pytest.fixture(scope="module")

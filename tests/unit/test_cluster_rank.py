@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 from ledger_helpers import make_manager, make_request, serve
+from rank_fuzz import scratch_result
 
+from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.worker.ledger import CacheConfig, OutOfBlocksError
 from kvledger.worker.ledger.block import SECONDARY
 from kvledger.worker.rank.transfer import contiguous_view
@@ -135,15 +137,15 @@ def test_pin_prefix_onboards_host_blocks_and_refuses_duplicates():
     serve(mgr, make_request(2, [80 + i for i in range(13)]))  # pushes the prompt's blocks to the host tier
     mgr.remove_sequence(2)
     assert any(b.tier == SECONDARY and b.node is not None for b in mgr.blocks)
-    slots = mgr.pin_prefix(-5, a)
-    assert len(slots) == 2
+    pinned = mgr.pin_prefix(-5, a)
+    assert pinned.blocks == 2 and [len(s) for s in pinned.slots] == [2]
     assert all(mgr.blocks[b].tier != SECONDARY for b in range(len(mgr.blocks)) if mgr.blocks[b].ref_count)
     with pytest.raises(ValueError, match="already"):
         mgr.pin_prefix(-5, a)
     mgr.check_integrity()
     mgr.unpin_sequence(-5)
     mgr.check_integrity()
-    assert mgr.pin_prefix(-6, a, max_blocks=1) and len(mgr._pinned[-6]) == 1
+    assert mgr.pin_prefix(-6, a, max_blocks=1).blocks == 1 and mgr.stats().used_num_blocks == 1
 
 
 def test_pin_prefix_out_of_blocks_changes_nothing():
@@ -166,3 +168,55 @@ def test_contiguous_view_only_for_one_ascending_run():
     assert view is not None and view.data_ptr() == pool[3].data_ptr() and view.is_contiguous()
     assert contiguous_view(pool, [3, 5]) is None and contiguous_view(pool, [4, 3]) is None
     assert contiguous_view(pool, []) is None
+
+
+def windowed_cache(windows: tuple[int | None, ...]) -> CacheConfig:
+    """Two layers with ``windows`` (a sliding window of 8 tokens beside full attention, or two sliding ones)."""
+    return CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                       device="cpu", num_primary_blocks=32, attention_windows=windows)
+
+
+@pytest.mark.parametrize("windows", [(8, None), (8, 12)])
+def test_a_windowed_prefix_migrates_in_this_process_and_is_reused_as_scratch_computes_it(windows):
+    """The source pins every window's blocks that a request past the prefix reads (the full window's whole prefix,
+    a sliding window's last ones), the target receives them into each window's pools and stores them with the same
+    hashes: the request it serves reuses the prefix and answers as if computed from scratch."""
+    cache = windowed_cache(windows)
+    cluster = LocalCluster.build(2, cache)
+    prompt = list(range(30, 30 + 6 * T + 2))
+    scratch = scratch_result(cache, Request(0, prompt, 4))
+    cluster.client(0).serve([Request(1, prompt, 4)])
+    m = cluster.migrator.migrate(prompt, src=0, dst=1)
+    assert (m.matched_blocks, m.sent_blocks) == (6, 6)
+    kept = [6 if w is None else -(-(w - 1) // T) for w in windows]   # each window's blocks a query at 24 reads
+    stored = cluster.reach(1).manager.snapshot()
+    assert [sum(1 for b in stored if b.group_idx == g) for g in range(2)] == kept
+    source = {(b.group_idx, b.block_hash) for b in cluster.reach(0).manager.snapshot()}
+    assert {(b.group_idx, b.block_hash) for b in stored} <= source, "the target stores the source's hashes"
+    (moved,) = cluster.client(1).serve([Request(2, prompt, 4)], logits=True).outcomes
+    assert moved.cached_tokens == 6 * T and moved.output_tokens == scratch.output_tokens
+    assert torch.allclose(torch.as_tensor(moved.last_logits), torch.as_tensor(scratch.last_logits), atol=1e-4)
+    for r in (0, 1):
+        cluster.reach(r).check_integrity()
+        assert cluster.reach(r).load().device_blocks_used == 0
+
+
+@pytest.mark.parametrize("windows", [(8, None), (8, 12)])
+def test_an_aborted_or_refused_windowed_import_stores_nothing(windows):
+    src, dst = (RankWorker(r, 2, windowed_cache(windows), seed=0) for r in (0, 1))
+    for w in (src, dst):
+        w.build_ledger(*w.local_block_counts())
+    prompt = list(range(30, 30 + 6 * T + 2))
+    src.serve([Request(1, prompt, 2)])
+    dst.poll_events()
+    export = src.export_begin(prompt)
+    target = dst.import_begin(prompt, export.blocks)
+    assert export.blocks == target.blocks == 6
+    dst.import_abort(target.import_id)
+    with pytest.raises(ValueError, match="shapes"):
+        dst.import_write(dst.import_begin(prompt, export.blocks).import_id, src.export_read(export.pin_id, 0)[:1])
+    assert dst.probe(prompt) == 0 and dst.manager.snapshot() == [] and dst.load().device_blocks_used == 0
+    assert dst.poll_events() is None, "nothing announced"
+    assert src.load().device_blocks_used == 0, "the pin is released"
+    src.check_integrity()
+    dst.check_integrity()

@@ -51,7 +51,7 @@ def books() -> Books:
     serve(mgr, make_request(3, C))  # evicts A2, then A1: both offloaded
     c = mgr.get_block_ids(3)
     mgr.remove_sequence(3)
-    assert mgr.pin_prefix(-1, A[:4] + [0]) == [mgr.blocks[a[0]].slot]
+    assert mgr.pin_prefix(-1, A[:4] + [0]).slots == ([mgr.blocks[a[0]].slot],)
     bl, b = mgr.blocks, mgr.get_block_ids(2)
     books = Books(mgr, pinned=bl[a[0]], offloaded=bl[a[1]], offloaded_child=bl[a[2]], running=bl[b[0]],
                   running_tail=bl[b[-1]], stored_free=bl[c[0]], empty_free=bl[c[1]])

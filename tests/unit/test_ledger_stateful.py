@@ -55,7 +55,6 @@ class LedgerMachine(RuleBasedStateMachine):
         self.pinned: list[int] = []
         self.served: list[tuple[list[int], str | None]] = []
         self.next_id = 0
-        self.can_pin = True
 
     def _admitted(self, reqs: list[Request], prepops: list[int]) -> None:
         layouts = self.mgr.config.window_layouts
@@ -159,7 +158,6 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), pin=st.booleans())
     def remove(self, data, pin):
         rid = data.draw(st.sampled_from(sorted(self.running)))
-        pin = pin and self.can_pin
         self.mgr.remove_sequence(rid, pin=pin)
         del self.running[rid]
         self.context.discard(rid)
@@ -350,7 +348,6 @@ class Windows(ChunksAndBeams):
         super().setup(partial, chunk or 4, offload_min)
         self.mgr = make_windowed_manager(blocks=((24, 8), (24, 8)), clock=self.clock, context_chunk_size=chunk,
                                          offload_min_priority=offload_min)
-        self.can_pin = False   # a migration of a windowed model is refused
 
     @rule(tokens=st.lists(prompts, min_size=1, max_size=3))
     def add_beams(self, tokens):

@@ -130,8 +130,6 @@ def test_a_refused_growth_changes_nothing_in_any_window() -> None:
     assert (ids(mgr, 1), mgr.stats()) == before
     with pytest.raises(ValueError, match="beam search is not supported"):
         mgr.add_sequence(make_request(2, [1, 2, 3], beam_width=2))
-    with pytest.raises(ValueError, match="not supported"):
-        mgr.pin_prefix(9, list(range(12)))
 
 
 def test_snapshot_and_hashes_cover_every_window() -> None:

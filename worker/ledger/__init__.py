@@ -11,7 +11,7 @@ from kvledger.worker.ledger.block import NO_BLOCK
 from kvledger.worker.ledger.budget import ContextBudget
 from kvledger.worker.ledger.config import CacheConfig, PoolLayout, WindowLayout
 from kvledger.worker.ledger.manager import KVCacheManager
-from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary, WindowStats
+from kvledger.worker.ledger.stats import Admission, KvCacheStats, PinnedPrefix, PrefixReuseSummary, WindowStats
 from kvledger.worker.wire.batches import StoredBlock
 from kvledger.worker.wire.block_key import BlockHash, BlockKey, MmKey, block_hashes
 from kvledger.worker.wire.errors import OutOfBlocksError
@@ -19,6 +19,6 @@ from kvledger.worker.wire.request import DEFAULT_PRIORITY, Request, RetentionCon
 
 __all__ = [
     "Admission", "BlockHash", "BlockKey", "CacheConfig", "ContextBudget", "DEFAULT_PRIORITY", "KVCacheManager",
-    "KvCacheStats", "MmKey", "NO_BLOCK", "OutOfBlocksError", "PoolLayout", "PrefixReuseSummary", "Request",
-    "RetentionConfig", "StoredBlock", "TokenRange", "WindowLayout", "WindowStats", "block_hashes",
+    "KvCacheStats", "MmKey", "NO_BLOCK", "OutOfBlocksError", "PinnedPrefix", "PoolLayout", "PrefixReuseSummary",
+    "Request", "RetentionConfig", "StoredBlock", "TokenRange", "WindowLayout", "WindowStats", "block_hashes",
 ]

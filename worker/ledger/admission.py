@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from kvledger.worker.ledger.block import PRIMARY, SECONDARY, Block
+from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, SECONDARY, Block
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.kv_pool import TieredPools
 from kvledger.worker.ledger.matching import Match, decide_partial, match_prompt
@@ -37,6 +37,14 @@ class Plan:
     """End of the first context chunk: the whole prompt unless chunked."""
     tails: int
     """Own last context blocks of beams 1.. (a beam search whose first chunk ends the prompt mid-block)."""
+    skipped: tuple[int, ...]
+    """Per window, the new positions left as placeholders, not allocated (a received context's, see ``plan``)."""
+    received: bool
+    """The context's KV is received: only its last token's query is computed here."""
+
+    def allocated(self, window: int) -> int:
+        """Blocks window ``window`` allocates."""
+        return self.new_blocks - self.skipped[window]
 
 
 class Admitter:
@@ -55,11 +63,13 @@ class Admitter:
         self._tree, self._windows, self._pool = tree, windows, windows[0].pool
         self._windowed = len(windows) > 1 or windows[0].size is not None
 
-    def plan(self, requests: Seq[Request], chunked: bool = True) -> list[Plan]:
-        """Decide every request's reuse without changing anything (a dry run of the claims); ``chunked=False``
-        plans each whole context, whatever ``context_chunk_size`` says."""
+    def plan(self, requests: Seq[Request], received: bool = False) -> list[Plan]:
+        """Decide every request's reuse without changing anything (a dry run of the claims). ``received``: the KV
+        of every prompt token but the last is received, not computed (a migration's import): each whole context is
+        planned, whatever ``context_chunk_size`` says, and a sliding window holds only the blocks the last token's
+        query reads (``Plan.skipped``)."""
         T = self.tokens_per_block
-        chunk = self.config.context_chunk_size if chunked else None
+        chunk = None if received else self.config.context_chunk_size
         claimed: set[int] = set()
         taken: set[int] = set()
         plans = []
@@ -73,8 +83,28 @@ class Admitter:
                 claimed.add(m.partial.block_id)
             end = len(r.tokens) if chunk is None else min(len(r.tokens), len(m.full) * T + m.partial_len + chunk)
             tails = self.tails(r, end) if r.beam_width > 1 else 0
-            plans.append(Plan(r, m, -(-end // T) - len(m.full) - (1 if m.in_place else 0) + tails, end, tails))
+            skipped = self._skip_received(m, len(r.tokens) - 1) if received else (0,) * len(self._windows)
+            plans.append(Plan(r, m, -(-end // T) - len(m.full) - (1 if m.in_place else 0) + tails, end, tails,
+                              skipped, received))
         return plans
+
+    def _skip_received(self, m: Match, pos: int) -> tuple[int, ...]:
+        """Per window, the positions past the match that a received context leaves as placeholders: those before
+        the first block a query at ``pos`` reads. The match's blocks there are dropped from it too: no query of the
+        sequence reads them (a full-attention window skips nothing)."""
+        if m.windows is None:
+            return (0,)
+        skipped = []
+        for w in self._windows:
+            first = w.first_needed(pos)
+            own = m.windows[w.index]
+            if first > 0:
+                kept = own[first:]
+                own[:] = [PLACEHOLDER] * min(first, len(own)) + kept
+                m.window_held[w.index] = [b for b in kept if b is not PLACEHOLDER]
+            skipped.append(max(0, first - len(own)))
+        m.full = m.windows[0]
+        return tuple(skipped)
 
     def tails(self, r: Request, end: int) -> int:
         """Blocks beams 1.. need of their own when a context chunk reaches ``end``: the prompt's last block, where
@@ -82,11 +112,11 @@ class Admitter:
         return r.beam_width - 1 if end == len(r.tokens) and end % self.tokens_per_block else 0
 
     def match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
-               extra_ids: Seq[int] | None, taken: set[int] = frozenset()) -> Match:
+              extra_ids: Seq[int] | None, taken: set[int] = frozenset(), max_blocks: int | None = None) -> Match:
         if not self.config.enable_block_reuse:
             return Match([], windows=[[] for _ in self._windows] if self._windowed else None)
         return match_prompt(self._tree, self._windows, tokens, lora_id, cache_salt, mm_keys, extra_ids,
-                            self.config.enable_partial_reuse, taken)
+                            self.config.enable_partial_reuse, taken, max_blocks)
 
     def check_capacity(self, plans: list[Plan]) -> None:
         """Every window must have the free blocks the batch takes: new ones, onboard targets, and the free blocks it
@@ -97,7 +127,7 @@ class Admitter:
             if w.index == 0:
                 held.update((p.match.partial.block_id, p.match.partial) for p in plans if p.match.partial is not None)
             free_claimed = len([b for b in held.values() if b.tier == PRIMARY and b.ref_count == 0])
-            needed = sum(p.new_blocks for p in plans) + onboards
+            needed = sum(p.allocated(w.index) for p in plans) + onboards
             available = w.pool.num_free(PRIMARY) - free_claimed
             if needed > available:
                 what = f"admitting request(s) {[p.request.request_id for p in plans]}{self.in_window(w)}"
@@ -144,8 +174,9 @@ class Admitter:
                     blocks.append(dst)
                     copied = 1
             w0 = self._windows[0]
-            blocks += w0.alloc(p.new_blocks - copied - p.tails)
-            windows = (blocks, *(m.windows[w.index] + w.alloc(p.new_blocks) for w in self._windows[1:]))
+            blocks += [PLACEHOLDER] * p.skipped[0] + w0.alloc(p.allocated(0) - copied - p.tails)
+            windows = (blocks, *(m.windows[w.index] + [PLACEHOLDER] * p.skipped[w.index] + w.alloc(p.allocated(w.index))
+                                 for w in self._windows[1:]))
             n_reused = len(m.full) + (1 if m.partial is not None else 0)
             self.reused += n_reused
             self.missed += -(-len(r.tokens) // T) - n_reused   # the whole prompt's, chunked or not
@@ -156,7 +187,7 @@ class Admitter:
                            keys=m.keys[:len(r.tokens) // T] if m.keys else [],
                            hashes=[] if self._windowed else [b.block_hash for b in m.full], stored=len(m.full),
                            chunk_start=prepop, windows=windows, sliding=tuple(w.size for w in self._windows),
-                           slid=[w.first_needed(prepop) for w in self._windows])
+                           slid=[w.first_needed(len(r.tokens) - 1 if p.received else prepop) for w in self._windows])
             if r.beam_width > 1:
                 seq.beams = tuple(w0.alloc(1 if p.tails else 0) for _ in range(r.beam_width - 1))
             for w, wb in zip(self._windows, windows):

@@ -30,11 +30,12 @@ from kvledger.worker.ledger.budget import (ContextBudget, blocks_to_completion, 
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.event_buffer import EventBuffer
 from kvledger.worker.ledger.integrity import check_pool, check_sequences, check_tree
+from kvledger.worker.ledger.kv_pool import TieredPools
 from kvledger.worker.ledger.matching import Match, decide_partial
 from kvledger.worker.ledger.prefix_tree import PrefixTree
 from kvledger.worker.ledger.scheduling import SchedulingRound
 from kvledger.worker.ledger.sequence import Sequence
-from kvledger.worker.ledger.stats import Admission, KvCacheStats, PrefixReuseSummary, WindowStats
+from kvledger.worker.ledger.stats import Admission, KvCacheStats, PinnedPrefix, PrefixReuseSummary, WindowStats
 from kvledger.worker.ledger.storing import Storer
 from kvledger.worker.ledger.window import WindowManager, WindowPools
 from kvledger.worker.wire.batches import StoredBlock
@@ -88,7 +89,8 @@ class KVCacheManager:
         self._admit = Admitter(config, tree, self._windows, self.pools)
         self._storer = Storer(config, tree, events, self._windows, self._windowed)
         self._seqs: dict[int, Sequence] = {}
-        self._pinned: dict[int, list[Block]] = {}
+        self._pinned: dict[int, tuple[list[Block], ...]] = {}
+        """Pinned blocks by pin id: every window's list, window 0's first (as ``Sequence.windows``)."""
         self._round = SchedulingRound(self._windows)
         events.put_n(self.created_events())
 
@@ -121,14 +123,16 @@ class KVCacheManager:
         return self.add_sequences([request])[0]
 
     @_checked
-    def add_sequences(self, requests: Seq[Request], chunked: bool = True) -> list[int]:
+    def add_sequences(self, requests: Seq[Request], received: bool = False) -> list[int]:
         """Admit a batch: every request claims its matches before any block is allocated.
 
         So one request's allocation cannot evict what another in the batch was
         counted to reuse. Raises ``OutOfBlocksError`` (changing nothing) when the
-        batch does not fit. ``chunked=False`` allocates each whole context at
-        once even under ``context_chunk_size``: for blocks whose KV is received,
-        not computed chunk by chunk (a migration's import).
+        batch does not fit. ``received=True`` is for contexts whose KV is
+        received, not computed (a migration's import): each whole context is
+        allocated at once even under ``context_chunk_size``, and a sliding window
+        takes only the blocks its last token's query reads (the rest are
+        placeholders, never stored), as a request would reuse them.
         """
         ids = set()
         for r in requests:
@@ -140,7 +144,7 @@ class KVCacheManager:
                                  f"with attention windows {self.config.attention_windows}")
             ids.add(r.request_id)
         self.refresh_blocks()
-        plans = self._admit.plan(requests, chunked)
+        plans = self._admit.plan(requests, received)
         self._admit.check_capacity(plans)
         seqs = self._admit.apply(plans)
         for seq in seqs:
@@ -396,13 +400,10 @@ class KVCacheManager:
         seq = self._running(request_id)
         if store and not seq.beams:
             self._storer.store(seq, seq.storable_blocks(self.tokens_per_block))
-        if pin and self._windowed:
-            raise ValueError(f"remove_sequence: pinning the blocks of a model with attention windows "
-                             f"{self.config.attention_windows} is not supported (a migration reads one window)")
         del self._seqs[request_id]
         blocks = seq.blocks if not seq.beams else [b for own in seq.holders() for b in own]
         if pin:
-            self._pinned[request_id] = blocks
+            self._pinned[request_id] = (blocks, *seq.windows[1:])
             return [b.block_id for b in blocks]
         self._windows[0].release(blocks)
         for w, others in zip(self._windows[1:], seq.windows[1:]):
@@ -412,13 +413,17 @@ class KVCacheManager:
     @_checked
     def pin_prefix(self, pin_id: int, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                    mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None,
-                   max_blocks: int | None = None) -> list[int]:
-        """Hold the stored full blocks that match ``tokens`` (at most ``max_blocks``) until ``unpin_sequence(pin_id)``.
+                   max_blocks: int | None = None) -> PinnedPrefix:
+        """Hold the stored full blocks that match ``tokens`` (a prefix of ``max_blocks`` at most) until
+        ``unpin_sequence(pin_id)``; returns the prefix's length and each window's primary pool slots of them.
 
         For reading them out (a migration to another rank): host-tier blocks are
-        onboarded first, so the returned primary pool slots, in prompt order,
-        stay valid and unchanged while pinned. Matches as ``probe_prefix_match_length``
-        does. Raises ``OutOfBlocksError`` (changing nothing) when onboarding does not fit.
+        onboarded first, so the slots stay valid and unchanged while pinned.
+        Matches as ``probe_prefix_match_length`` does: with attention windows by
+        the safe-prefix rule, so a full-attention window pins every block of the
+        prefix and a sliding window only the last ones a query past the prefix
+        reads (what a request reuses). Raises ``OutOfBlocksError`` (changing
+        nothing) when onboarding does not fit.
         """
         if not isinstance(pin_id, int) or isinstance(pin_id, bool):
             raise TypeError(f"pin_prefix: pin_id must be an int, got {pin_id!r}")
@@ -426,32 +431,32 @@ class KVCacheManager:
             raise ValueError(f"pin_prefix: id {pin_id} is already in the ledger")
         if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 0):
             raise ValueError(f"pin_prefix: max_blocks must be None or an int >= 0, got {max_blocks!r}")
-        if self._windowed:
-            raise ValueError(f"pin_prefix: migrating the KV of a model with attention windows "
-                             f"{self.config.attention_windows} is not supported")
         validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
         self.refresh_blocks()
-        full = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids).full if tokens else []
-        if max_blocks is not None:
-            full = full[:max_blocks]
-        onboards = [b for b in full if b.tier == SECONDARY]
-        free_claimed = sum(1 for b in full if b.tier == PRIMARY and b.ref_count == 0)
-        pool = self._pool
-        if len(onboards) > pool.num_free(PRIMARY) - free_claimed:
-            raise OutOfBlocksError(len(onboards), pool.num_free(PRIMARY) - free_claimed,
-                                   f"pinning {len(full)} blocks as {pin_id}")
-        pool.ref_n(full)
-        pool.onboard_n(onboards)
+        m = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids, max_blocks=max_blocks) if tokens \
+            else Match([])
+        held = tuple(m.held(w.index) for w in self._windows)
+        for w, blocks in zip(self._windows, held):
+            free_claimed = sum(1 for b in blocks if b.tier == PRIMARY and b.ref_count == 0)
+            onboards = sum(1 for b in blocks if b.tier == SECONDARY)
+            if onboards > w.pool.num_free(PRIMARY) - free_claimed:
+                raise OutOfBlocksError(onboards, w.pool.num_free(PRIMARY) - free_claimed,
+                                       f"pinning {len(m.full)} blocks as {pin_id}{self._admit.in_window(w)}")
+        for w, blocks in zip(self._windows, held):
+            w.pool.ref_n(blocks)
+            w.pool.onboard_n([b for b in blocks if b.tier == SECONDARY])
         self.pools.flush()
-        self._pinned[pin_id] = full
-        return [b.slot for b in full]
+        self._pinned[pin_id] = held
+        return PinnedPrefix(len(m.full), tuple([b.slot for b in blocks] for blocks in held))
 
     @_checked
     def unpin_sequence(self, request_id: int) -> None:
-        blocks = self._pinned.pop(request_id, None)
-        if blocks is None:
+        """Release the blocks ``pin_prefix`` or ``remove_sequence(pin=True)`` held under ``request_id``."""
+        held = self._pinned.pop(request_id, None)
+        if held is None:
             raise KeyError(f"request {request_id} has no pinned blocks")
-        self._pool.release(blocks)
+        for w, blocks in zip(self._windows, held):
+            w.release(blocks)
 
     def _running(self, request_id: int) -> Sequence:
         seq = self._seqs.get(request_id)
@@ -494,18 +499,35 @@ class KVCacheManager:
             raise ValueError(f"get_block_ids: beam must be an int in 0..{seq.request.beam_width - 1}, got {beam!r}")
         return [b.block_id for b in seq.beam_rows(self.tokens_per_block)[beam]]
 
-    @_checked
-    def arrange_slots(self, request_id: int, start: int, slots: Seq[int]) -> None:
-        """Give the blocks of running request ``request_id`` from position ``start`` on the device slots ``slots``,
-        an order of their own slots: a transfer receives straight into the pool where the slots run as the
-        sender's do. Only blocks that the request alone holds and that hold nothing reusable yet may trade slots
-        (no one else has seen their data); raises ``ValueError``, changing nothing, otherwise."""
+    def window_slots(self, request_id: int, start: int, end: int) -> tuple[list[int], ...]:
+        """Each window's primary pool slots of running request ``request_id``'s blocks at positions ``start..end-1``
+        that the window holds (placeholders left out): where a migration's import receives each window's KV."""
         seq = self._running(request_id)
-        blocks = seq.blocks[start:start + len(slots)] if type(start) is int and start >= 0 else None
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= len(seq.blocks):
+            raise ValueError(f"window_slots: need 0 <= start <= end <= {len(seq.blocks)} (request {request_id}'s "
+                             f"blocks), got start={start!r}, end={end!r}")
+        return tuple([b.slot for b in blocks[start:end] if b is not PLACEHOLDER] for blocks in seq.windows)
+
+    @property
+    def window_pools(self) -> list[TieredPools]:
+        """Every window's tensor pools, in ``window_block_counts`` order (``pools`` is window 0's for one window)."""
+        return [w.pool.pools for w in self._windows]
+
+    @_checked
+    def arrange_slots(self, request_id: int, start: int, slots: Seq[int], window: int = 0) -> None:
+        """Give the blocks of running request ``request_id`` from position ``start`` on, in attention window
+        ``window``, the device slots ``slots``, an order of their own slots: a transfer receives straight into the
+        pool where the slots run as the sender's do. Only blocks that the request alone holds and that hold nothing
+        reusable yet may trade slots (no one else has seen their data); raises ``ValueError``, changing nothing,
+        otherwise."""
+        seq = self._running(request_id)
+        if type(window) is not int or not 0 <= window < len(seq.windows):
+            raise ValueError(f"arrange_slots: window must be an int in 0..{len(seq.windows) - 1}, got {window!r}")
+        blocks = seq.windows[window][start:start + len(slots)] if type(start) is int and start >= 0 else None
         if blocks is None or len(blocks) != len(slots) or sorted(b.slot for b in blocks) != sorted(slots):
             raise ValueError(f"arrange_slots: slots must be an order of the slots of request {request_id}'s blocks "
                              f"{start}..{start + len(slots) - 1}, got start={start!r}, slots={list(slots)!r}")
-        if seq.beams or any(b.ref_count != 1 or b.node is not None for b in blocks):
+        if seq.beams or any(b is PLACEHOLDER or b.ref_count != 1 or b.node is not None for b in blocks):
             raise ValueError(f"arrange_slots: request {request_id}'s blocks {start}.. are shared or stored")
         for b, slot in zip(blocks, slots):
             b.slot = slot
@@ -759,5 +781,5 @@ class KVCacheManager:
     def _holders(self, window: int = 0) -> list[list[Block]]:
         """Every block list that holds references in ``window``: running sequences' (every beam's own) and pins."""
         if window:
-            return [s.windows[window] for s in self._seqs.values()]
-        return [*(h for s in self._seqs.values() for h in s.holders()), *self._pinned.values()]
+            return [*(s.windows[window] for s in self._seqs.values()), *(p[window] for p in self._pinned.values())]
+        return [*(h for s in self._seqs.values() for h in s.holders()), *(p[0] for p in self._pinned.values())]

@@ -51,12 +51,13 @@ class Match:
 
 def match_prompt(tree: PrefixTree, windows: Seq[WindowManager], tokens: Seq[int], lora_id: int | None,
                  cache_salt: str | None, mm_keys: Seq[MmKey], extra_ids: Seq[int] | None, partial: bool,
-                 taken: set[int] | frozenset[int] = frozenset()) -> Match:
+                 taken: set[int] | frozenset[int] = frozenset(), max_blocks: int | None = None) -> Match:
     """Walk the tree with the prompt's keys; the last prompt token is never matched. ``taken``: window 0's blocks
-    an earlier request of the batch takes in place (not shareable)."""
+    an earlier request of the batch takes in place (not shareable); ``max_blocks``: the deepest prefix matched (a
+    migration that moves part of one), the windows' blocks those of that prefix."""
     T = windows[0].tokens_per_block
     usable = len(tokens) - 1
-    n_full = usable // T
+    n_full = usable // T if max_blocks is None else min(usable // T, max_blocks)
     if len(windows) > 1 or windows[0].size is not None:
         return _match_windows(tree, windows, block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt,
                                                         mm_keys=mm_keys, extra_ids=extra_ids, include_partial=True),

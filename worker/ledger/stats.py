@@ -1,4 +1,4 @@
-"""Plain results the ledger reports: stats, prefix-reuse summaries, what an admission reused."""
+"""Plain results the ledger reports: stats, prefix-reuse summaries, what an admission reused, what a pin holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,3 +66,13 @@ class Admission:
     copied_blocks: int
     onboarded_blocks: int
     allocated_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedPrefix:
+    """What ``pin_prefix`` holds: a prefix of ``blocks`` full blocks, of which each window keeps the blocks a query
+    past the prefix reads (all of them under full attention, the last ones in a sliding window)."""
+
+    blocks: int
+    slots: tuple[list[int], ...]
+    """Each window's primary pool slots of its pinned blocks, in prompt order: the prefix's last ones."""

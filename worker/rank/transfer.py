@@ -75,6 +75,12 @@ def header_blocks(num_tokens: int, tokens_per_block: int, max_blocks: int | None
     return full if max_blocks is None else min(full, max_blocks)
 
 
+def message_size(num_tokens: int, tokens_per_block: int, max_blocks: int | None, windows: int) -> int:
+    """Entries of one negotiation message (``_message``): a count, then per attention window a block count and at
+    most ``header_blocks`` slots."""
+    return 1 + windows * (1 + header_blocks(num_tokens, tokens_per_block, max_blocks))
+
+
 class _Staging:
     """A flat buffer a migration gathers into or receives into, kept between transfers.
 
@@ -196,9 +202,21 @@ class TransferCounts:
     received_pieces: int = 0
 
 
-def _message(count: int, slots: list[int], size: int, device: torch.device) -> torch.Tensor:
-    """``[count, *slots]`` padded with -1 to ``size`` entries: one negotiation message."""
-    return torch.tensor([count, *slots, *[-1] * (size - 1 - len(slots))], dtype=torch.int64, device=device)
+def _message(count: int, slots: Sequence[Sequence[int]], size: int, device: torch.device) -> torch.Tensor:
+    """One negotiation message: ``[count, len(slots[0]), ..., *slots[0], *slots[1], ...]`` (every attention window's
+    slots) padded with -1 to ``size`` entries."""
+    flat = [*(len(s) for s in slots), *(x for s in slots for x in s)]
+    return torch.tensor([count, *flat, *[-1] * (size - 1 - len(flat))], dtype=torch.int64, device=device)
+
+
+def _parse(message: torch.Tensor, windows: int) -> tuple[int, list[list[int]]]:
+    """``_message``'s count and every window's slots; a negative count (a side that failed) has no slots."""
+    values = message.tolist()
+    count, lens = values[0], values[1:1 + windows]
+    if count < 0:
+        return count, []
+    at = itertools.accumulate(lens, initial=1 + windows)
+    return count, [values[a:a + n] for a, n in zip(at, lens)]
 
 
 def _cross(out: torch.Tensor, into: torch.Tensor, peer: int, tag: int) -> list:
@@ -224,7 +242,8 @@ class TransferEndpoints:
     def __init__(self, books: RankBooks) -> None:
         self.books = books
         self.counts = TransferCounts()
-        self._held: dict[int, list[int]] = {}   # pin or import id -> pool slots still to be sent or written
+        self._held: dict[int, list[list[int]]] = {}   # pin or import id -> each window's slots to send or write
+        self._prefixes: dict[int, int] = {}   # pin id -> blocks of the prefix pinned
         self._send_staging, self._recv_staging = _Staging(), _Staging()
         self._running: set[int] = set()   # tags of the migrations this rank is in now
 
@@ -259,7 +278,7 @@ class TransferEndpoints:
 
     def _send_prefix(self, tokens: Sequence[int], dst_rank: int, max_blocks: int | None, lora_id: int | None,
                      cache_salt: str | None, tag: int) -> PrefixMoved:
-        size = 1 + header_blocks(len(tokens), self.books.template.tokens_per_block, max_blocks)
+        size = self._message_size(tokens, max_blocks)
         ctl = self._control_device()
         try:
             pools = self._pools()
@@ -268,25 +287,26 @@ class TransferEndpoints:
             self._refuse(size, dst_rank, tag)
             raise
         try:
-            slots = self._held[ticket.pin_id]
-            assert len(slots) < size, f"pinned {len(slots)} blocks of a prompt with {size - 1} full blocks"
-            header = _message(len(slots), slots, size, ctl)
-            if not slots:   # the target asks nothing of a source that holds nothing
+            n, slots = ticket.blocks, self._held[ticket.pin_id]
+            header = _message(n, slots, size, ctl)
+            if not n:   # the target asks nothing of a source that holds nothing
                 _wait_all([dist.isend(header, dst=dst_rank, tag=tag)])
                 return PrefixMoved(0, 0, 0, 0.0)
             reply = torch.empty(size, dtype=torch.int64, device=ctl)
             sent, got = _cross(header, reply, dst_rank, tag)
             works = [sent]
             got.wait()
-            start = min(int(reply[0]), len(slots))
-            if start < 0 or start == len(slots):   # the target failed (it reports why), or holds them all
+            start, dst = _parse(reply, len(slots))
+            if start < 0 or start >= n:   # the target failed (it reports why), or holds them all
                 _wait_all(works)
-                return PrefixMoved(len(slots), 0, 0, 0.0)
-            dst = reply[1:1 + len(slots) - start].tolist()
+                return PrefixMoved(n, 0, 0, 0.0)
+            # the target lacks each window's last blocks: as many as it has slots for
+            src = [own[len(own) - len(d):] for own, d in zip(slots, dst)]
+            assert all(len(d) <= len(own) for own, d in zip(slots, dst)), f"target asks {dst} of pinned {slots}"
             self.books.faults.reached("migration_source")
             t0 = time.perf_counter()
-            nbytes = self._send_pieces(pools, slots[start:], dst, dst_rank, tag, works)
-            return PrefixMoved(len(slots), len(slots) - start, nbytes, time.perf_counter() - t0)
+            nbytes = self._send_pieces(list(zip(pools, src, dst)), dst_rank, tag, works)
+            return PrefixMoved(n, n - start, nbytes, time.perf_counter() - t0)
         finally:
             self.export_end(ticket.pin_id)
 
@@ -308,14 +328,13 @@ class TransferEndpoints:
 
     def _receive_prefix(self, tokens: Sequence[int], src_rank: int, max_blocks: int | None, lora_id: int | None,
                         cache_salt: str | None, tag: int) -> PrefixMoved:
-        size = 1 + header_blocks(len(tokens), self.books.template.tokens_per_block, max_blocks)
+        size = self._message_size(tokens, max_blocks)
         ctl = self._control_device()
         header = torch.empty(size, dtype=torch.int64, device=ctl)
         _wait_all([dist.irecv(header, src=src_rank, tag=tag)])
-        n = int(header[0])
+        n, src_slots = _parse(header, self._num_windows())
         if n <= 0:   # nothing to receive; or the source failed (it reports why)
             return PrefixMoved(max(n, 0), 0, 0, 0.0)
-        src_slots = header[1:1 + n].tolist()
         try:   # until the answer goes, a failure answers -1, so that the source is not left waiting for it
             pools = self._pools()
             ticket = self.import_begin(tokens, n, lora_id, cache_salt)
@@ -324,10 +343,11 @@ class TransferEndpoints:
             raise
         start = n - ticket.blocks
         if not ticket.blocks:   # it holds them all (the import is over already)
-            _wait_all([dist.isend(_message(n, [], size, ctl), dst=src_rank, tag=tag)])
+            _wait_all([dist.isend(_message(n, [[] for _ in src_slots], size, ctl), dst=src_rank, tag=tag)])
             return PrefixMoved(n, 0, 0, 0.0)
         try:
-            slots = self._align(ticket.import_id, start, src_slots[start:])
+            src = self._lacked(ticket.import_id, src_slots)
+            slots = self._align(ticket.import_id, n, src)
             self.books.faults.reached("migration_target")
         except BaseException:
             self.import_abort(ticket.import_id)
@@ -335,7 +355,7 @@ class TransferEndpoints:
             raise
         try:
             t0 = time.perf_counter()
-            nbytes = self._receive_pieces(pools, src_slots[start:], slots, src_rank, tag,
+            nbytes = self._receive_pieces(list(zip(pools, src, slots)), src_rank, tag,
                                           _message(start, slots, size, ctl))
             self.books.defer(lambda: self._store(ticket.import_id))
             return PrefixMoved(n, n - start, nbytes, time.perf_counter() - t0)
@@ -343,70 +363,104 @@ class TransferEndpoints:
             self.import_abort(ticket.import_id)
             raise
 
-    def _align(self, import_id: int, first: int, src: list[int]) -> list[int]:
-        """Give the import's fresh blocks (positions ``first..``, receiving from source slots ``src``) the slots
-        ``aligned_slots`` picks among their own, so that the target receives straight into its pool wherever both
-        sides' slots run; returns them. Only the import holds these blocks and none holds KV yet, so exchanging
-        their slots (as an offload exchanges two blocks' slots) changes nothing anyone else sees."""
+    def _lacked(self, import_id: int, src_slots: list[list[int]]) -> list[list[int]]:
+        """Of each window's source slots (the prefix's last blocks the source pinned), those of the blocks the
+        import lacks: the last ones, one per fresh block. A source whose windows keep other blocks than this
+        rank's (another model) raises ``ValueError``."""
+        fresh = self._held[import_id]
+        if len(src_slots) != len(fresh) or any(len(f) > len(s) for f, s in zip(fresh, src_slots)):
+            raise ValueError(f"rank {self.books.rank}: the source sent {[len(s) for s in src_slots]} blocks per "
+                             f"attention window, this rank lacks {[len(f) for f in fresh]}: the two ranks' attention "
+                             "windows differ")
+        return [s[len(s) - len(f):] for s, f in zip(src_slots, fresh)]
+
+    def _align(self, import_id: int, end: int, src: list[list[int]]) -> list[list[int]]:
+        """Give the import's fresh blocks of each window (its positions before ``end``, receiving from source slots
+        ``src``) the slots ``aligned_slots`` picks among their own, so that the target receives straight into its
+        pool wherever both sides' slots run; returns them. Only the import holds these blocks and none holds KV
+        yet, so exchanging their slots (as an offload exchanges two blocks' slots) changes nothing anyone else
+        sees."""
         with self.books.lock:
-            slots = aligned_slots(src, self._held[import_id])
-            self.books.ledger().arrange_slots(import_id, first, slots)
+            mgr = self.books.ledger()
+            slots = [aligned_slots(s, own) for s, own in zip(src, self._held[import_id])]
+            for w, own in enumerate(slots):
+                mgr.arrange_slots(import_id, end - len(own), own, window=w)
             self._held[import_id] = slots
             return slots
 
-    def _pools(self) -> list[torch.Tensor]:
+    def _pools(self) -> list[list[torch.Tensor]]:
+        """Every attention window's primary pools."""
         with self.books.lock:
-            pools = self.books.ledger().pools.primary_pools
-        if not pools:
+            pools = [p.primary_pools for p in self.books.ledger().window_pools]
+        if not pools[0]:
             raise ValueError(f"rank {self.books.rank} keeps no KV tensors: there are no bytes to send or receive")
         return pools
 
-    def _send_pieces(self, pools: list[torch.Tensor], src: list[int], dst: list[int], dst_rank: int, tag: int,
+    def _num_windows(self) -> int:
+        return len(self.books.template.window_layouts)
+
+    def _message_size(self, tokens: Sequence[int], max_blocks: int | None) -> int:
+        return message_size(len(tokens), self.books.template.tokens_per_block, max_blocks, self._num_windows())
+
+    def _send_pieces(self, windows: list[tuple[list[torch.Tensor], list[int], list[int]]], dst_rank: int, tag: int,
                      works: list) -> int:
-        """Post every piece's sends (gathering a piece that is not one run just before its send, while earlier
-        ones are on the wire), then wait for all, ``works`` posted before too; returns the bytes sent."""
-        pieces = self._plan(src, dst, pools)
-        bufs = _PieceBuffers(pools, [[src[i] for i in p] for p in pieces], self._send_staging)
+        """Post every piece's sends, window after window (``(pools, source slots, target slots)`` each), gathering
+        a piece that is not one run just before its send, while earlier ones are on the wire; then wait for all,
+        ``works`` posted before too; returns the bytes sent."""
+        cut = [self._plan(src, dst, pools) for pools, src, dst in windows]
+        bufs: list[_PieceBuffers] = []
         try:
             copies = 0
-            for i in range(len(pieces)):
-                copies += bufs.gather(i)
-                works.extend(dist.isend(v, dst=dst_rank, tag=tag) for v in bufs.views[i])
+            for (pools, src, _), pieces in zip(windows, cut):
+                bufs.append(b := _PieceBuffers(pools, [[src[i] for i in p] for p in pieces], self._send_staging))
+                for i in range(len(pieces)):
+                    copies += b.gather(i)
+                    works.extend(dist.isend(v, dst=dst_rank, tag=tag) for v in b.views[i])
             _wait_all(works[::-1])   # a pair's messages complete in order: the last one's wait covers the rest
-            self._count(copies, len(pieces), sent=True)
-            return bufs.nbytes
+            self._count(copies, sum(map(len, cut)), sent=True)
+            return sum(b.nbytes for b in bufs)
         except BaseException:
             _wait_quietly(works)
             raise
         finally:
-            bufs.release()
+            for b in bufs:
+                b.release()
 
-    def _receive_pieces(self, pools: list[torch.Tensor], src: list[int], dst: list[int], src_rank: int, tag: int,
-                        go: torch.Tensor) -> int:
-        """Receive the blocks from source slots ``src`` into target slots ``dst``, in the pieces both sides cut
-        alike: post every receive, then send ``go`` (the answer the source waits for, in the same batch: NCCL
-        runs a pair's operations in order), then wait, scattering each staged piece while later ones arrive;
-        returns the bytes received."""
-        pieces = self._plan(src, dst, pools)
-        bufs = _PieceBuffers(pools, [[dst[i] for i in p] for p in pieces], self._recv_staging)
-        ops = [dist.P2POp(dist.irecv, v, src_rank, tag=tag) for views in bufs.views for v in views]
+    def _receive_pieces(self, windows: list[tuple[list[torch.Tensor], list[int], list[int]]], src_rank: int,
+                        tag: int, go: torch.Tensor) -> int:
+        """Receive each window's blocks (``(pools, source slots, target slots)``) into its pools, in the pieces
+        both sides cut alike: post every receive, then send ``go`` (the answer the source waits for, in the same
+        batch: NCCL runs a pair's operations in order), then wait, scattering each staged piece while later ones
+        arrive; returns the bytes received."""
+        bufs, pieces = [], []
+        try:
+            for pools, src, dst in windows:
+                cut = self._plan(src, dst, pools)
+                bufs.append(_PieceBuffers(pools, [[dst[i] for i in p] for p in cut], self._recv_staging))
+                pieces += [(bufs[-1], i) for i in range(len(cut))]
+        except BaseException:
+            for b in bufs:
+                b.release()
+            raise
+        ops = [dist.P2POp(dist.irecv, v, src_rank, tag=tag) for b, i in pieces for v in b.views[i]]
         posted = dist.batch_isend_irecv([*ops, dist.P2POp(dist.isend, go, src_rank, tag=tag)])
-        ends = list(itertools.accumulate(len(views) for views in bufs.views))
-        works = [posted[end - len(views):end] for end, views in zip(ends, bufs.views)]
+        ends = list(itertools.accumulate(len(b.views[i]) for b, i in pieces))
+        works = [posted[end - len(b.views[i]):end] for end, (b, i) in zip(ends, pieces)]
         try:
             copies = 0
-            for i, piece_works in enumerate(works):
-                if bufs.pairs[i] is not None:   # a staged piece is scattered while later ones arrive
+            for (b, i), piece_works in zip(pieces, works):
+                if b.pairs[i] is not None:   # a staged piece is scattered while later ones arrive
                     _wait_all(piece_works)
-                    copies += bufs.scatter(i)
+                    copies += b.scatter(i)
             _wait_all(posted[::-1])   # a pair's messages complete in order: the last one's wait covers the rest
             self._count(copies, len(pieces), sent=False)
-            return bufs.nbytes
+            return sum(b.nbytes for b in bufs)
         except BaseException:
             _wait_quietly(posted)
             raise
         finally:
-            bufs.release()
+            for b in bufs:
+                b.release()
 
     def _refuse(self, size: int, peer: int, tag: int) -> None:
         """A side that failed before it answered: send ``size`` entries of -1 (there is nothing), so that the peer,
@@ -439,26 +493,31 @@ class TransferEndpoints:
 
     def export_begin(self, tokens: Sequence[int], max_blocks: int | None = None, lora_id: int | None = None,
                      cache_salt: str | None = None) -> ExportTicket:
-        """Pin the stored full blocks matching ``tokens`` (host-tier ones are onboarded first)."""
+        """Pin the stored full blocks matching ``tokens`` (host-tier ones are onboarded first): of every attention
+        window, those a request past the prefix reuses (``KVCacheManager.pin_prefix``)."""
         pin_id = next(_INTERNAL_IDS)
         with self.books.lock:
-            slots = self.books.ledger().pin_prefix(pin_id, tokens, lora_id=lora_id, cache_salt=cache_salt,
-                                                   max_blocks=max_blocks)
-            self._held[pin_id] = slots
-        return ExportTicket(pin_id, len(slots))
+            pinned = self.books.ledger().pin_prefix(pin_id, tokens, lora_id=lora_id, cache_salt=cache_salt,
+                                                    max_blocks=max_blocks)
+            self._held[pin_id] = list(pinned.slots)
+            self._prefixes[pin_id] = pinned.blocks
+        return ExportTicket(pin_id, pinned.blocks)
 
-    def export_read(self, pin_id: int, start: int) -> torch.Tensor | None:
-        """In-process path: pinned blocks ``start..`` gathered into one tensor (``None`` if none), then unpinned."""
+    def export_read(self, pin_id: int, start: int) -> list[torch.Tensor]:
+        """In-process path: the pinned blocks of prefix positions ``start..``, one tensor per attention window
+        (``TieredPools.read_blocks``' rows; none where the window keeps no block there), then unpinned."""
         try:
             with self.books.lock:
-                slots = self._held[pin_id][start:]
-                return self.books.ledger().pools.read_blocks(slots) if slots else None
+                mgr, end = self.books.ledger(), self._prefixes[pin_id]
+                return [pools.read_blocks(slots[max(0, start - (end - len(slots))):])
+                        for pools, slots in zip(mgr.window_pools, self._held[pin_id])]
         finally:
             self.export_end(pin_id)
 
     def export_end(self, pin_id: int) -> None:
         """Release a pin (idempotent: a send that already released it is fine)."""
         with self.books.lock:
+            self._prefixes.pop(pin_id, None)
             if self._held.pop(pin_id, None) is not None:
                 self.books.ledger().unpin_sequence(pin_id)
 
@@ -482,45 +541,47 @@ class TransferEndpoints:
                       cache_salt=cache_salt)
         with self.books.lock:
             mgr = self.books.ledger()
-            mgr.add_sequences([req], chunked=False)   # received whole: no context chunk is computed here
+            mgr.add_sequences([req], received=True)   # received whole: no context chunk is computed here
             first_new = mgr.admission(rid).reused_blocks
             if first_new >= num_blocks:
                 mgr.remove_sequence(rid)
                 return ImportTicket(rid, 0)
-            slots = [mgr.blocks[b].slot for b in mgr.get_block_ids(rid)[first_new:num_blocks]]
-            self._held[rid] = slots
-            return ImportTicket(rid, len(slots))
+            self._held[rid] = list(mgr.window_slots(rid, first_new, num_blocks))
+            return ImportTicket(rid, num_blocks - first_new)
 
-    def import_write(self, import_id: int, data: torch.Tensor | None) -> int:
-        """In-process path: scatter ``data`` (from ``export_read``) into the import's blocks and store them.
+    def import_write(self, import_id: int, data: Sequence[torch.Tensor]) -> int:
+        """In-process path: scatter ``data`` (from ``export_read``: a tensor per attention window) into the import's
+        blocks and store them; returns the blocks written.
 
-        A buffer of the wrong shape aborts the import (nothing is stored) and raises ``ValueError``.
+        Buffers of the wrong shape abort the import (nothing is stored) and raise ``ValueError``.
         """
         with self.books.lock:
             slots = self._slots_of(import_id)
-            pools = self.books.ledger().pools
-            want = (len(slots), pools.elements_per_block)
-            if data is None or tuple(data.shape) != want:
+            pools = self.books.ledger().window_pools
+            want = [(len(s), p.elements_per_block) for s, p in zip(slots, pools)]
+            got = [tuple(d.shape) for d in data] if isinstance(data, (list, tuple)) and all(
+                isinstance(d, torch.Tensor) for d in data) else None
+            if got != want:
                 self._abort(import_id)
-                got = None if data is None else tuple(data.shape)
-                raise ValueError(f"import {import_id}: got a buffer of shape {got}, expected {want} "
-                                 "(blocks, elements of one block's K/V in every pool)")
-            pools.write_blocks(slots, data.to(device=pools.device, dtype=self.books.template.dtype).contiguous())
+                raise ValueError(f"import {import_id}: got buffers of shapes {got}, expected {want} (per attention "
+                                 "window: blocks, elements of one block's K/V in every pool of the window)")
+            for s, p, d in zip(slots, pools, data):
+                p.write_blocks(s, d.to(device=p.device, dtype=self.books.template.dtype).contiguous())
             self._store(import_id)
-        return len(slots)
+        return sum(map(len, slots))
 
     def import_commit(self, import_id: int) -> int:
         """Books-only path: store the import's blocks with no data to write (a ledger without tensors only)."""
         with self.books.lock:
             slots = self._slots_of(import_id)
-            if self.books.ledger().pools.primary is not None:
+            if self.books.ledger().pools.primary_pools:
                 self._abort(import_id)
                 raise ValueError(f"import {import_id}: this ledger keeps KV tensors; committing without data "
                                  "would store blocks whose KV was never written")
             self._store(import_id)
-        return len(slots)
+        return sum(map(len, slots))
 
-    def _slots_of(self, import_id: int) -> list[int]:
+    def _slots_of(self, import_id: int) -> list[list[int]]:
         """The slots import ``import_id`` still has to write (the caller holds the lock)."""
         slots = self._held.get(import_id)
         if slots is None:

@@ -172,7 +172,7 @@ class RankWorker:
     def in_transfer(self, tag: int) -> bool:
         return self.transfers.in_transfer(tag)
 
-    def export_read(self, pin_id: int, start: int) -> torch.Tensor | None:
+    def export_read(self, pin_id: int, start: int) -> list[torch.Tensor]:
         return self.transfers.export_read(pin_id, start)
 
     def export_end(self, pin_id: int) -> None:
@@ -182,7 +182,7 @@ class RankWorker:
                      cache_salt: str | None = None) -> ImportTicket:
         return self.transfers.import_begin(tokens, num_blocks, lora_id, cache_salt)
 
-    def import_write(self, import_id: int, data: torch.Tensor | None) -> int:
+    def import_write(self, import_id: int, data: Sequence[torch.Tensor]) -> int:
         return self.transfers.import_write(import_id, data)
 
     def import_commit(self, import_id: int) -> int:

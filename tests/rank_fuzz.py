@@ -150,7 +150,7 @@ def fuzz_round(seed: int, report: FuzzReport) -> None:
     threads = [threading.Thread(target=send, args=(r,)) for r in reqs]
     if rng.random() < 0.5:
         threads.append(threading.Thread(target=squat))
-    if cfg.attention_windows is None and rng.random() < 0.3:
+    if rng.random() < 0.3:
         threads.append(threading.Thread(target=export))
     if reqs and rng.random() < 0.2:
         threads.append(threading.Thread(target=abort))

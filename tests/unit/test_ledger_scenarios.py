@@ -607,3 +607,15 @@ def test_a_reservation_counts_a_host_tier_block_once_as_the_admission_takes_it()
     taken = mgr.scheduling_add_sequence(r)
     mgr.add_sequences([r])
     assert taken == free - mgr.stats().free_num_blocks == 4   # 3 onboards and 1 new block
+
+
+def test_a_partial_block_is_computed_instead_of_copied_when_the_copy_would_not_fit():
+    """The pool holds exactly what a request needs; its first 3 tokens match a stored block that has children,
+    so reusing them means copying it, which holds the source beside the copy: one block too many. The request
+    is admitted computing those tokens instead, rather than refused for ever."""
+    mgr = make_manager(primary=5, enable_partial_reuse=True, copy_on_partial_reuse=True)
+    serve(mgr, make_request(1, A))                          # A's 3 blocks stored, a chain: the first has children
+    mgr.remove_sequence(1)
+    r = make_request(2, A[:3] + list(range(1, 18)))         # 20 tokens: all 5 blocks of the pool
+    assert mgr.add_sequence(r) == 0 and mgr.stats().free_num_blocks == 0
+    mgr.check_integrity()

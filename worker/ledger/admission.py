@@ -63,19 +63,35 @@ class Admitter:
         self._tree, self._windows, self._pool = tree, windows, windows[0].pool
         self._windowed = len(windows) > 1 or windows[0].size is not None
 
-    def plan(self, requests: Seq[Request], received: bool = False) -> list[Plan]:
+    def plan_fitting(self, requests: Seq[Request], received: bool = False) -> list[Plan]:
+        """``plan`` the batch and check it fits (``check_capacity``). A copied partial block holds its source
+        beside the copy, one block more than computing those tokens: when that is what does not fit, the batch is
+        planned again copying no partial block, and that plan must fit (``OutOfBlocksError`` otherwise)."""
+        plans = self.plan(requests, received)
+        try:
+            self.check_capacity(plans)
+        except OutOfBlocksError:
+            if not any(p.match.partial is not None and not p.match.in_place for p in plans):
+                raise
+            plans = self.plan(requests, received, copy_partial=False)
+            self.check_capacity(plans)
+        return plans
+
+    def plan(self, requests: Seq[Request], received: bool = False, copy_partial: bool | None = None) -> list[Plan]:
         """Decide every request's reuse without changing anything (a dry run of the claims). ``received``: the KV
         of every prompt token but the last is received, not computed (a migration's import): each whole context is
         planned, whatever ``context_chunk_size`` says, and a sliding window holds only the blocks the last token's
-        query reads (``Plan.skipped``)."""
+        query reads (``Plan.skipped``). ``copy_partial``: copy a partly matching block others hold (default
+        ``CacheConfig.copy_on_partial_reuse``)."""
         T = self.tokens_per_block
+        copy = self.config.copy_on_partial_reuse if copy_partial is None else copy_partial
         chunk = None if received else self.config.context_chunk_size
         claimed: set[int] = set()
         taken: set[int] = set()
         plans = []
         for r in requests:
             m = self.match(r.tokens, r.lora_id, r.cache_salt, r.mm_keys, r.extra_ids, taken)
-            decide_partial(m, claimed, self.config.copy_on_partial_reuse)
+            decide_partial(m, claimed, copy)
             if m.in_place:
                 taken.add(m.partial.block_id)
             claimed.update([b.block_id for b in m.full])

@@ -144,8 +144,7 @@ class KVCacheManager:
                                  f"with attention windows {self.config.attention_windows}")
             ids.add(r.request_id)
         self.refresh_blocks()
-        plans = self._admit.plan(requests, received)
-        self._admit.check_capacity(plans)
+        plans = self._admit.plan_fitting(requests, received)
         seqs = self._admit.apply(plans)
         for seq in seqs:
             self._seqs[seq.request.request_id] = seq

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_migration_pools import HEADS, TIMEOUT, T, mixed_cache, prompt, served_as_scratch
+from migration_helpers import HEADS, TIMEOUT, T, mixed_cache, prompt, served_as_scratch
 
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig

@@ -123,8 +123,8 @@ def fuzz_round(seed: int, report: FuzzReport) -> None:
         for _ in range(3):
             time.sleep(rng_squat.uniform(0, 0.01))
             try:
-                ticket = w.import_begin(rng_squat.choice(PREFIXES) + [255] * 8, rng_squat.randrange(1, 4))
-            except Exception:   # no room now: the batch holds every block
+                ticket = w.import_begin(rng_squat.choice(PREFIXES) + [255] * 12, rng_squat.randrange(1, 4))
+            except OutOfBlocksError:   # no room now: the batch holds every block
                 continue
             time.sleep(rng_squat.uniform(0, 0.01))
             w.import_abort(ticket.import_id)

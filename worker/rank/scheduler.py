@@ -121,7 +121,7 @@ class BatchCounts:
     """Requests refused because the queue was full (``RankBusyError``)."""
 
 
-class _Ticket:
+class Ticket:
     """One caller's requests: done when every one is served, or at the first error."""
 
     __slots__ = ("requests", "results", "steps", "left", "publish", "events", "error", "done")
@@ -145,7 +145,7 @@ class _Ticket:
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    ticket: _Ticket
+    ticket: Ticket
     index: int
     running: RunningRequest | None = None
     admitted_step: int = 0
@@ -167,10 +167,15 @@ class Served:
 class BatchScheduler:
     """See the module docstring."""
 
-    def __init__(self, books: RankBooks, engine: ReferenceEngine, config: BatchingConfig = BatchingConfig()) -> None:
+    def __init__(self, books: RankBooks, engine: ReferenceEngine, config: BatchingConfig = BatchingConfig(),
+                 background: bool = True) -> None:
+        """``background``: a thread of its own runs the steps while there is work (``serve`` waits on it);
+        without, the caller runs each ``step`` (as vLLM's ``LLMEngine.step``), so a test drives it step by
+        step."""
         self.books = books
         self.driver = BatchDriver(engine)
         self.config = config
+        self.background = background
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Entry] = collections.deque()
         self._running: list[_Entry] = []
@@ -183,7 +188,7 @@ class BatchScheduler:
     def serve(self, requests: Sequence[Request], publish: bool) -> Served:
         """Queue ``requests`` (``RankBusyError`` when the queue has no room for them, ``ValueError`` for an id
         already in) and wait until all are served; with ``publish`` the events published as they finished."""
-        ticket = self._submit(list(requests), publish)
+        ticket = self.submit(list(requests), publish)
         while not ticket.done.wait(WAIT_SLICE_S):
             with self._cv:
                 if not self._looping and not ticket.done.is_set():
@@ -199,7 +204,8 @@ class BatchScheduler:
                                len(self._running), c.served_requests, c.steps, c.peak_running_requests,
                                c.peak_step_tokens, c.preempted_requests, c.refused_requests)
 
-    def _submit(self, requests: list[Request], publish: bool) -> _Ticket:
+    def submit(self, requests: list[Request], publish: bool) -> Ticket:
+        """Queue ``requests``, refused as ``serve`` refuses them; their ticket is done when they are served."""
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError(f"request ids {ids} repeat")
@@ -207,7 +213,7 @@ class BatchScheduler:
             raise ValueError(f"a batch of {len(requests)} requests is more than a rank queues "
                              f"(max_queued_requests={self.config.max_queued_requests}); send fewer at a time")
         self.books.ledger()   # RankNotReadyError before anything is queued
-        ticket = _Ticket(requests, publish)
+        ticket = Ticket(requests, publish)
         with self._cv:
             taken = sorted(self._ids.intersection(ids))
             if taken:
@@ -220,10 +226,15 @@ class BatchScheduler:
                 return ticket
             self._ids.update(ids)
             self._waiting.extend(_Entry(ticket, i) for i in range(len(requests)))
-            if not self._looping:
+            if self.background and not self._looping:
                 self._looping = True
                 threading.Thread(target=self._loop, name=f"kvledger-rank{self.books.rank}-steps", daemon=True).start()
         return ticket
+
+    @property
+    def has_work(self) -> bool:
+        with self._cv:
+            return bool(self._waiting or self._running)
 
     def _loop(self) -> None:
         while True:
@@ -231,18 +242,24 @@ class BatchScheduler:
                 if not self._waiting and not self._running:
                     self._looping = False
                     return
-            try:
-                with self.books.lock:
-                    stalled = self._step(self.books.ledger())
-                if stalled:   # with the ledger's lock let go: blocks may come back
-                    time.sleep(STALL_POLL_S)
-                else:   # the lock is not fair: let a caller waiting for it (a probe, a migration) in between steps
-                    time.sleep(0)
-            except RankNotReadyError as e:   # the ledger is gone: nothing queued here can be served
-                self._abort(e, queued=True)
-            except BaseException as e:  # noqa: BLE001 - every caller hears of it; the loop goes on with the queue
-                logger.exception("rank %d: a step failed; its requests are aborted", self.books.rank)
-                self._abort(e, queued=False)
+            if self.step():   # stalled: with the ledger's lock let go, blocks may come back
+                time.sleep(STALL_POLL_S)
+            else:   # the lock is not fair: let a caller waiting for it (a probe, a migration) in between steps
+                time.sleep(0)
+
+    def step(self) -> bool:
+        """Admit what fits, run one step of the batch and release what finished, under the ledger's lock; whether
+        the batch is stalled, waiting for blocks. A step that fails aborts its requests (their callers hear why)
+        and the queue goes on."""
+        try:
+            with self.books.lock:
+                return self._step(self.books.ledger())
+        except RankNotReadyError as e:   # the ledger is gone: nothing queued here can be served
+            self._abort(e, queued=True)
+        except BaseException as e:  # noqa: BLE001 - every caller hears of it; the loop goes on with the queue
+            logger.exception("rank %d: a step failed; its requests are aborted", self.books.rank)
+            self._abort(e, queued=False)
+        return False
 
     def _step(self, mgr: KVCacheManager) -> bool:
         """Admit what fits, run one step, release what finished (the caller holds the ledger's lock); whether

@@ -24,6 +24,7 @@ from kvledger.worker.ledger.kv_pool import TieredPools
 from kvledger.worker.ledger.prefix_tree import PrefixTree
 from kvledger.worker.ledger.sequence import Sequence
 from kvledger.worker.ledger.stats import KvCacheStats, PrefixReuseSummary, WindowStats
+from kvledger.worker.ledger.storing import Storer
 from kvledger.worker.ledger.window import MANAGERS, WindowManager
 from kvledger.worker.ledger.window_pools import WindowPools
 from kvledger.worker.wire.errors import OutOfBlocksError
@@ -34,7 +35,7 @@ from kvledger.worker.wire.request import Request
 class LedgerCoordinator:
     """Every attention window's manager (``CacheConfig.window_layouts`` order) and what is asked of all of them."""
 
-    __slots__ = ("config", "tokens_per_block", "windows", "windowed", "sliding", "pools")
+    __slots__ = ("config", "tokens_per_block", "windows", "windowed", "sliding", "pools", "storer")
 
     def __init__(self, config: CacheConfig, clock: Callable[[], float], tree: PrefixTree,
                  events: EventBuffer) -> None:
@@ -48,6 +49,7 @@ class LedgerCoordinator:
         self.pools: TieredPools | WindowPools = self.windows[0].pool.pools if len(self.windows) == 1 else \
             WindowPools([w.pool.pools for w in self.windows])
         """The tensors: window 0's ``TieredPools`` for one window, else every window's (``WindowPools``)."""
+        self.storer = Storer(config, tree, events, self.windows, self.windowed)
 
     def created_events(self) -> list[KVCacheCreated]:
         """One ``KVCacheCreated`` per window, each with its own pool, its group named as ``BlockStored`` names it."""
@@ -57,6 +59,39 @@ class LedgerCoordinator:
                                kv_cache_spec_sliding_window=w.size) for w in self.windows]
 
     # ------------------------------------------------------------------ growth and release
+
+    def admit_chunk(self, seq: Sequence, start: int, end: int, what: str) -> None:
+        """Store the chunk before ``start``, slide past it and allocate the chunk ``start..end-1`` (``what``: the
+        refusal's words); raises ``OutOfBlocksError``, changing nothing, when some window lacks the blocks."""
+        need, tails = seq.chunk_blocks(end, self.tokens_per_block)
+        self.check_growth(what, self.per_window(need + tails, need), self.sliding_gains(seq, start))
+        self.storer.store(seq, start // self.tokens_per_block)
+        self.slide(seq, start)
+        first_new = len(seq.blocks)
+        self.allocate(seq, need, [1] * tails)
+        seq.admit_chunk(start, end)
+        self.apply_retention(seq, first_new)
+        self.pools.flush()
+
+    def decode(self, seq: Sequence, n: int, tokens: Seq[int] | None, what: str) -> None:
+        """Grow ``seq`` by ``n`` decoded tokens in every window (``KVCacheManager.add_token``); raises
+        ``OutOfBlocksError``, changing nothing, when some window lacks the blocks."""
+        T = self.tokens_per_block
+        need = max(0, ceil_div(seq.num_tokens + n, T) - len(seq.blocks))
+        old = seq.num_tokens
+        # every beam grows alike
+        self.check_growth(what, self.per_window(need * seq.request.beam_width, need), self.sliding_gains(seq, old))
+        if self.sliding and not seq.opaque:   # store what a window is about to release: every token before ``old``
+            self.storer.store(seq, old // T)   # is written
+        self.slide(seq, old)
+        first_new = len(seq.blocks)
+        if need > 0:
+            self.allocate(seq, need, [need] * len(seq.beams))
+        seq.decoded(n, tokens)
+        self.apply_retention(seq, first_new)
+        self.pools.flush()
+        if not seq.opaque:   # everything before this step's tokens is written (rejected drafts were rewound)
+            self.storer.store(seq, old // T)
 
     def per_window(self, first: int, rest: int) -> tuple[int, ...]:
         """``first`` for window 0 (the only one with beams), ``rest`` for every other window."""

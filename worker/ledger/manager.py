@@ -26,8 +26,8 @@ from typing import TypeVar
 import torch
 
 from kvledger.worker.ledger.admission import Admitter
-from kvledger.worker.ledger.block import PLACEHOLDER, Block
-from kvledger.worker.ledger.budget import ContextBudget, ceil_div, fit_token_counts
+from kvledger.worker.ledger.block import Block
+from kvledger.worker.ledger.budget import ContextBudget, fit_token_counts
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.coordinator import LedgerCoordinator
 from kvledger.worker.ledger.event_buffer import EventBuffer
@@ -38,7 +38,6 @@ from kvledger.worker.ledger.prefix_tree import PrefixTree
 from kvledger.worker.ledger.scheduling import SchedulingRound
 from kvledger.worker.ledger.sequence import Sequence
 from kvledger.worker.ledger.stats import Admission, KvCacheStats, PinnedPrefix, PrefixReuseSummary
-from kvledger.worker.ledger.storing import Storer
 from kvledger.worker.wire.batches import StoredBlock
 from kvledger.worker.wire.block_key import MmKey, validate_prompt
 from kvledger.worker.wire.events import AllBlocksCleared, KVCacheCreated, KVEvent
@@ -85,7 +84,7 @@ class KVCacheManager:
         self.blocks = self._pool.blocks
         """Window 0's blocks by id (``window_blocks`` has every window's)."""
         self._admit = Admitter(config, tree, self._windows, self.pools)
-        self._storer = Storer(config, tree, events, self._windows, coord.windowed)
+        self._storer = coord.storer
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, tuple[list[Block], ...]] = {}
         """Pinned blocks by pin id: every window's list, window 0's first (as ``Sequence.windows``)."""
@@ -173,17 +172,7 @@ class KVCacheManager:
         if type(size) is not int or size < 1:
             raise ValueError(f"add_context_chunk: num_tokens must be None or an int >= 1, got {num_tokens!r}")
         start, end = seq.num_tokens, min(prompt, seq.num_tokens + size)
-        coord = self._coord
-        need, tails = seq.chunk_blocks(end, self.tokens_per_block)
-        coord.check_growth(f"admitting a context chunk of request {request_id}", coord.per_window(need + tails, need),
-                           coord.sliding_gains(seq, start))
-        self._storer.store(seq, start // self.tokens_per_block)
-        coord.slide(seq, start)
-        first_new = len(seq.blocks)
-        coord.allocate(seq, need, [1] * tails)
-        seq.admit_chunk(start, end)
-        coord.apply_retention(seq, first_new)
-        self.pools.flush()
+        self._coord.admit_chunk(seq, start, end, f"admitting a context chunk of request {request_id}")
         return start, end
 
     def context_chunk(self, request_id: int) -> tuple[int, int]:
@@ -250,29 +239,7 @@ class KVCacheManager:
             validate_prompt(tokens, None, None, (), None)
             if len(tokens) != n:
                 raise ValueError(f"add_token: {len(tokens)} token ids given for n={n}")
-        T = self.tokens_per_block
-        coord = self._coord
-        need = max(0, ceil_div(seq.num_tokens + n, T) - len(seq.blocks))
-        old = seq.num_tokens
-        # every beam grows alike
-        coord.check_growth(f"growing request {request_id}", coord.per_window(need * seq.request.beam_width, need),
-                           coord.sliding_gains(seq, old))
-        if coord.sliding and not seq.opaque:   # store what a window is about to release: every token before ``old``
-            self._storer.store(seq, old // T)   # is written
-        coord.slide(seq, old)
-        first_new = len(seq.blocks)
-        if need > 0:
-            coord.allocate(seq, need, [need] * len(seq.beams))
-        seq.decoding = True
-        if tokens is None or seq.opaque or seq.request.extra_ids is not None:
-            seq.opaque = True
-        else:
-            seq.add_tokens(tokens)
-        seq.num_tokens += n
-        coord.apply_retention(seq, first_new)
-        self.pools.flush()
-        if not seq.opaque:   # everything before this step's tokens is written (rejected drafts were rewound)
-            self._storer.store(seq, (seq.num_tokens - n) // self.tokens_per_block)
+        self._coord.decode(seq, n, tokens, f"growing request {request_id}")
 
     @_checked
     def rewind(self, request_id: int, n: int) -> None:
@@ -397,16 +364,7 @@ class KVCacheManager:
     def get_block_ids(self, request_id: int, beam: int = 0, window: int = 0) -> list[int]:
         """Block ids of one beam of a running request, in sequence order; with attention windows, of one window
         (ids of ``window_blocks(window)``, ``NO_BLOCK`` for a placeholder)."""
-        seq = self._running(request_id)
-        if window != 0:
-            if type(window) is not int or not 0 < window < len(seq.windows):
-                raise ValueError(f"get_block_ids: window must be an int in 0..{len(seq.windows) - 1}, got {window!r}")
-            return [b.block_id for b in seq.windows[window]]
-        if beam == 0:
-            return [b.block_id for b in seq.blocks]
-        if type(beam) is not int or not 0 < beam < seq.request.beam_width:
-            raise ValueError(f"get_block_ids: beam must be an int in 0..{seq.request.beam_width - 1}, got {beam!r}")
-        return [b.block_id for b in seq.beam_rows(self.tokens_per_block)[beam]]
+        return self._running(request_id).block_ids(beam, window, self.tokens_per_block)
 
     def window_slots(self, request_id: int, start: int, end: int) -> tuple[list[int], ...]:
         """Each window's primary pool slots of running request ``request_id``'s blocks at positions ``start..end-1``
@@ -429,17 +387,7 @@ class KVCacheManager:
         pool where the slots run as the sender's do. Only blocks that the request alone holds and that hold nothing
         reusable yet may trade slots (no one else has seen their data); raises ``ValueError``, changing nothing,
         otherwise."""
-        seq = self._running(request_id)
-        if type(window) is not int or not 0 <= window < len(seq.windows):
-            raise ValueError(f"arrange_slots: window must be an int in 0..{len(seq.windows) - 1}, got {window!r}")
-        blocks = seq.windows[window][start:start + len(slots)] if type(start) is int and start >= 0 else None
-        if blocks is None or len(blocks) != len(slots) or sorted(b.slot for b in blocks) != sorted(slots):
-            raise ValueError(f"arrange_slots: slots must be an order of the slots of request {request_id}'s blocks "
-                             f"{start}..{start + len(slots) - 1}, got start={start!r}, slots={list(slots)!r}")
-        if seq.beams or any(b is PLACEHOLDER or b.ref_count != 1 or b.node is not None for b in blocks):
-            raise ValueError(f"arrange_slots: request {request_id}'s blocks {start}.. are shared or stored")
-        for b, slot in zip(blocks, slots):
-            b.slot = slot
+        self._running(request_id).arrange_slots(start, slots, window)
 
     def admission(self, request_id: int) -> Admission:
         return self._running(request_id).admission

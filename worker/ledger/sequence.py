@@ -125,6 +125,42 @@ class Sequence:
         return step_blocks(self.num_tokens, len(self.blocks), r.num_draft_tokens, r.beam_width, tokens_per_block,
                            two_steps_lookahead)
 
+    def decoded(self, n: int, tokens: Seq[int] | None) -> None:
+        """Count ``n`` decoded tokens; their ids, when given and the sequence is still storable, are kept."""
+        self.decoding = True
+        if tokens is None or self.opaque or self.request.extra_ids is not None:
+            self.opaque = True
+        else:
+            self.add_tokens(tokens)
+        self.num_tokens += n
+
+    def block_ids(self, beam: int, window: int, tokens_per_block: int) -> list[int]:
+        """Block ids of one beam (window 0) or of one window, in sequence order (``KVCacheManager.get_block_ids``)."""
+        if window != 0:
+            if type(window) is not int or not 0 < window < len(self.windows):
+                raise ValueError(f"get_block_ids: window must be an int in 0..{len(self.windows) - 1}, got {window!r}")
+            return [b.block_id for b in self.windows[window]]
+        if beam == 0:
+            return [b.block_id for b in self.blocks]
+        if type(beam) is not int or not 0 < beam < self.request.beam_width:
+            raise ValueError(f"get_block_ids: beam must be an int in 0..{self.request.beam_width - 1}, got {beam!r}")
+        return [b.block_id for b in self.beam_rows(tokens_per_block)[beam]]
+
+    def arrange_slots(self, start: int, slots: Seq[int], window: int) -> None:
+        """Trade the slots of this sequence's own unstored blocks (``KVCacheManager.arrange_slots``); raises
+        ``ValueError``, changing nothing, for any other."""
+        rid = self.request.request_id
+        if type(window) is not int or not 0 <= window < len(self.windows):
+            raise ValueError(f"arrange_slots: window must be an int in 0..{len(self.windows) - 1}, got {window!r}")
+        blocks = self.windows[window][start:start + len(slots)] if type(start) is int and start >= 0 else None
+        if blocks is None or len(blocks) != len(slots) or sorted(b.slot for b in blocks) != sorted(slots):
+            raise ValueError(f"arrange_slots: slots must be an order of the slots of request {rid}'s blocks "
+                             f"{start}..{start + len(slots) - 1}, got start={start!r}, slots={list(slots)!r}")
+        if self.beams or any(b is PLACEHOLDER or b.ref_count != 1 or b.node is not None for b in blocks):
+            raise ValueError(f"arrange_slots: request {rid}'s blocks {start}.. are shared or stored")
+        for b, slot in zip(blocks, slots):
+            b.slot = slot
+
     def step_tokens(self) -> int:
         """Tokens the next step computes: the current context chunk's, or ``1 + num_draft_tokens`` decoding."""
         return 1 + self.request.num_draft_tokens if self.decoding else self.num_tokens - self.chunk_start

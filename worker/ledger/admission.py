@@ -13,13 +13,15 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from kvledger.worker.ledger.block import PLACEHOLDER, PRIMARY, SECONDARY, Block
+from kvledger.worker.ledger.budget import beam_tails
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.ledger.kv_pool import TieredPools
 from kvledger.worker.ledger.matching import Match, decide_partial, match_prompt
 from kvledger.worker.ledger.prefix_tree import PrefixTree
 from kvledger.worker.ledger.sequence import Sequence
 from kvledger.worker.ledger.stats import Admission
-from kvledger.worker.ledger.window import WindowManager, WindowPools
+from kvledger.worker.ledger.window import WindowManager
+from kvledger.worker.ledger.window_pools import WindowPools
 from kvledger.worker.wire.block_key import MmKey
 from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.request import Request
@@ -61,7 +63,7 @@ class Admitter:
         self.reused = self.missed = 0
         """Prompt blocks served from the cache (fully or partly), and computed."""
         self._tree, self._windows, self._pool = tree, windows, windows[0].pool
-        self._windowed = len(windows) > 1 or windows[0].size is not None
+        self._windowed = len(windows) > 1 or windows[0].slides
 
     def plan_fitting(self, requests: Seq[Request], received: bool = False) -> list[Plan]:
         """``plan`` the batch and check it fits (``check_capacity``). A copied partial block holds its source
@@ -98,7 +100,7 @@ class Admitter:
             if m.partial is not None:
                 claimed.add(m.partial.block_id)
             end = len(r.tokens) if chunk is None else min(len(r.tokens), len(m.full) * T + m.partial_len + chunk)
-            tails = self.tails(r, end) if r.beam_width > 1 else 0
+            tails = beam_tails(len(r.tokens), end, r.beam_width, T) if r.beam_width > 1 else 0
             skipped = self._skip_received(m, len(r.tokens) - 1) if received else (0,) * len(self._windows)
             plans.append(Plan(r, m, -(-end // T) - len(m.full) - (1 if m.in_place else 0) + tails, end, tails,
                               skipped, received))
@@ -122,11 +124,6 @@ class Admitter:
         m.full = m.windows[0]
         return tuple(skipped)
 
-    def tails(self, r: Request, end: int) -> int:
-        """Blocks beams 1.. need of their own when a context chunk reaches ``end``: the prompt's last block, where
-        the prompt ends mid-block (TensorRT-LLM shares it among the beams only when the prompt fills it)."""
-        return r.beam_width - 1 if end == len(r.tokens) and end % self.tokens_per_block else 0
-
     def match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
               extra_ids: Seq[int] | None, taken: set[int] = frozenset(), max_blocks: int | None = None) -> Match:
         if not self.config.enable_block_reuse:
@@ -146,12 +143,8 @@ class Admitter:
             needed = sum(p.allocated(w.index) for p in plans) + onboards
             available = w.pool.num_free(PRIMARY) - free_claimed
             if needed > available:
-                what = f"admitting request(s) {[p.request.request_id for p in plans]}{self.in_window(w)}"
+                what = f"admitting request(s) {[p.request.request_id for p in plans]}{w.where}"
                 raise OutOfBlocksError(needed, available, what)
-
-    def in_window(self, w: WindowManager) -> str:
-        """Where a refusal happened, for its message: nothing to add for one window."""
-        return f" in attention window {w.index} ({w.size or 'full'})" if len(self._windows) > 1 else ""
 
     def apply(self, plans: list[Plan]) -> list[Sequence]:
         T = self.tokens_per_block

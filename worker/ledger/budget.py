@@ -69,3 +69,24 @@ def blocks_to_completion(prompt_len: int, max_new_tokens: int, num_draft_tokens:
     per_beam = ceil_div(prompt_len + max_new_tokens + num_draft_tokens, tokens_per_block)
     shared = prompt_len // tokens_per_block
     return shared + (per_beam - shared) * beam_width
+
+
+def beam_tails(prompt_len: int, end: int, beam_width: int, tokens_per_block: int) -> int:
+    """Blocks beams 1.. need of their own when a context chunk reaches ``end``: the prompt's last block, where
+    the prompt ends mid-block (TensorRT-LLM shares it among the beams only when the prompt fills it)."""
+    return beam_width - 1 if end == prompt_len and end % tokens_per_block else 0
+
+
+def fit_token_counts(counts: list[int], cuttable: list[bool], max_num_tokens: int) -> list[int]:
+    """``counts`` with the cuttable ones (context chunks) shrunk, last first and to one token at least, until they
+    sum to ``max_num_tokens`` at most, if they can."""
+    out = list(counts)
+    over = sum(out) - max_num_tokens
+    for i in reversed(range(len(out))):
+        if over <= 0:
+            break
+        if cuttable[i] and out[i] > 1:
+            cut = min(over, out[i] - 1)
+            out[i] -= cut
+            over -= cut
+    return out

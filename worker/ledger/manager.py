@@ -1,15 +1,18 @@
 """The per-rank KV cache manager: the admission policy over the block pool.
 
 Follows TensorRT-LLM's KVCacheManager, layered as vLLM v1 is
-(``KVCacheManager`` over ``BlockPool``): the manager matches prompts against
-the prefix tree (matching.py), decides what to reuse, checks capacity, stores
-finished blocks and tracks the running sequences; one window manager per
-attention window (window.py) holds that window's pool (block_pool.py), which
-moves blocks between free lists and tiers. Every window's blocks sit in one
-prefix tree; a sequence has a block list per window, all as long as each
-other, a sliding window's with placeholders where its blocks slid out. Every public operation validates
-its input and checks capacity before it changes anything, so a refused call
-leaves the books, the stats and the event buffer as they were.
+(``KVCacheManager`` over a ``KVCacheCoordinator`` over ``BlockPool``): the
+manager is the facade that validates every call and tracks the running
+sequences; admission.py matches prompts (matching.py) and decides what to
+reuse, storing.py stores finished blocks, and the coordinator
+(coordinator.py) loops over one window manager per attention window, of its
+kind's class (window.py), each holding that window's pool (block_pool.py),
+which moves blocks between free lists and tiers. Every window's blocks sit in
+one prefix tree; a sequence (sequence.py) keeps a block list per window, all
+as long as each other, a sliding window's with placeholders where its blocks
+slid out. Every public operation validates its input and checks capacity
+before it changes anything, so a refused call leaves the books, the stats and
+the event buffer as they were.
 """
 from __future__ import annotations
 
@@ -18,16 +21,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from typing import TypeVar
 
 import torch
 
 from kvledger.worker.ledger.admission import Admitter
-from kvledger.worker.ledger.block import NO_BLOCK, PLACEHOLDER, PRIMARY, SECONDARY, Block
-from kvledger.worker.ledger.budget import (ContextBudget, blocks_to_completion, ceil_div, context_budget, sink_bubble,
-                                           step_blocks)
+from kvledger.worker.ledger.block import Block
+from kvledger.worker.ledger.budget import ContextBudget, fit_token_counts
 from kvledger.worker.ledger.config import CacheConfig
+from kvledger.worker.ledger.coordinator import LedgerCoordinator
 from kvledger.worker.ledger.event_buffer import EventBuffer
 from kvledger.worker.ledger.integrity import check_pool, check_sequences, check_tree
 from kvledger.worker.ledger.kv_pool import TieredPools
@@ -35,12 +37,9 @@ from kvledger.worker.ledger.matching import Match, decide_partial
 from kvledger.worker.ledger.prefix_tree import PrefixTree
 from kvledger.worker.ledger.scheduling import SchedulingRound
 from kvledger.worker.ledger.sequence import Sequence
-from kvledger.worker.ledger.stats import Admission, KvCacheStats, PinnedPrefix, PrefixReuseSummary, WindowStats
-from kvledger.worker.ledger.storing import Storer
-from kvledger.worker.ledger.window import WindowManager, WindowPools
+from kvledger.worker.ledger.stats import Admission, KvCacheStats, PinnedPrefix, PrefixReuseSummary
 from kvledger.worker.wire.batches import StoredBlock
 from kvledger.worker.wire.block_key import MmKey, validate_prompt
-from kvledger.worker.wire.errors import OutOfBlocksError
 from kvledger.worker.wire.events import AllBlocksCleared, KVCacheCreated, KVEvent
 from kvledger.worker.wire.request import Request
 
@@ -72,22 +71,20 @@ class KVCacheManager:
     def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
-        n = len(config.window_layouts)
-        self._tree = tree = PrefixTree(n)
+        self._tree = tree = PrefixTree(len(config.window_layouts))
         self._events = events = EventBuffer(config.event_buffer_size)
-        self._windows = [WindowManager(config, clock, w, tree, events) for w in range(n)]
-        """One window manager per distinct attention window (``CacheConfig.window_layouts``)."""
-        self._windowed = n > 1 or self._windows[0].size is not None
-        """Some window slides: matches follow the safe-prefix rule and decode releases blocks."""
-        self._pool = pool = self._windows[0].pool
+        self._coord = coord = LedgerCoordinator(config, clock, tree, events)
+        self._windows = coord.windows
+        """One window manager per distinct attention window (``CacheConfig.window_layouts``), of its kind's class."""
+        self._pool = self._windows[0].pool
         self.num_primary = sum(w.pool.num_primary for w in self._windows)
         self.num_secondary = sum(w.pool.num_secondary for w in self._windows)
-        self.pools = pool.pools if n == 1 else WindowPools([w.pool.pools for w in self._windows])
+        self.pools = coord.pools
         """The tensors: window 0's ``TieredPools`` for one window, else every window's (``WindowPools``)."""
-        self.blocks = pool.blocks
+        self.blocks = self._pool.blocks
         """Window 0's blocks by id (``window_blocks`` has every window's)."""
         self._admit = Admitter(config, tree, self._windows, self.pools)
-        self._storer = Storer(config, tree, events, self._windows, self._windowed)
+        self._storer = coord.storer
         self._seqs: dict[int, Sequence] = {}
         self._pinned: dict[int, tuple[list[Block], ...]] = {}
         """Pinned blocks by pin id: every window's list, window 0's first (as ``Sequence.windows``)."""
@@ -97,10 +94,7 @@ class KVCacheManager:
     def created_events(self) -> list[KVCacheCreated]:
         """What this ledger was created with: one ``KVCacheCreated`` per attention window, each window's own pool
         (TensorRT-LLM's one created event per window size), its group named as ``BlockStored`` names it."""
-        return [KVCacheCreated(num_blocks={"GPU": w.pool.num_primary, "CPU": w.pool.num_secondary},
-                               block_size=self.tokens_per_block, group_idx=w.index,
-                               kv_cache_spec_kind=w.kind if self._windowed else None,
-                               kv_cache_spec_sliding_window=w.size) for w in self._windows]
+        return self._coord.created_events()
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -139,7 +133,7 @@ class KVCacheManager:
             _require_request("add_sequences", r)
             if r.request_id in self._seqs or r.request_id in self._pinned or r.request_id in ids:
                 raise ValueError(f"request {r.request_id} is already in the ledger")
-            if r.beam_width > 1 and self._windowed:
+            if r.beam_width > 1 and self._coord.windowed:
                 raise ValueError(f"request {r.request_id} asks for {r.beam_width} beams; beam search is not supported "
                                  f"with attention windows {self.config.attention_windows}")
             ids.add(r.request_id)
@@ -177,41 +171,8 @@ class KVCacheManager:
         if type(size) is not int or size < 1:
             raise ValueError(f"add_context_chunk: num_tokens must be None or an int >= 1, got {num_tokens!r}")
         start, end = seq.num_tokens, min(prompt, seq.num_tokens + size)
-        need, tails = self._chunk_blocks(seq, end)
-        self._check_growth(f"admitting a context chunk of request {request_id}",
-                           [need + tails] + [need] * (len(seq.windows) - 1), self._sliding_gains(seq, start))
-        self._storer.store(seq, start // self.tokens_per_block)
-        if self._windowed:
-            self._slide(seq, start)
-        first_new = len(seq.blocks)
-        w0 = self._windows[0]
-        seq.blocks += w0.alloc(need)
-        for own in seq.beams[:tails]:
-            own += w0.alloc(1)
-        for w, blocks in zip(self._windows[1:], seq.windows[1:]):
-            blocks += w.alloc(need)
-        seq.chunk_start, seq.num_tokens = start, end
-        self._apply_retention(seq, first_new)
-        self.pools.flush()
+        self._coord.admit_chunk(seq, start, end, f"admitting a context chunk of request {request_id}")
         return start, end
-
-    def _check_growth(self, what: str, needs: Seq[int], gains: Seq[int] = ()) -> None:
-        """Raise ``OutOfBlocksError`` unless every window has its ``needs`` free (counting the ``gains`` that a sliding
-        window frees first)."""
-        for w, need in zip(self._windows, needs):
-            free = w.pool.num_free(PRIMARY) + (gains[w.index] if gains else 0)
-            if need > free:
-                raise OutOfBlocksError(need, free, f"{what}{self._admit.in_window(w)}")
-
-    def _apply_retention(self, seq: Sequence, first: int) -> None:
-        for w, blocks in zip(self._windows, seq.windows):
-            w.retention.apply(seq.request, blocks, first)
-
-    def _chunk_blocks(self, seq: Sequence, end: int) -> tuple[int, int]:
-        """Blocks beam 0 and the other beams' tails still need for a context chunk ending at ``end``; blocks a
-        trimmed chunk left allocated count as had."""
-        need = max(0, -(-end // self.tokens_per_block) - len(seq.blocks))
-        return need, 0 if not seq.beams or seq.beams[0] else self._admit.tails(seq.request, end)
 
     def context_chunk(self, request_id: int) -> tuple[int, int]:
         """Prompt positions ``(start, end)`` the current context chunk computes (``end == start`` never)."""
@@ -242,23 +203,14 @@ class KVCacheManager:
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"fit_token_budget: request ids {list(request_ids)} repeat")
         seqs = [self._running(rid) for rid in request_ids]
-        counts = [1 + s.request.num_draft_tokens if s.decoding else s.num_tokens - s.chunk_start for s in seqs]
-        over = sum(counts) - max_num_tokens
-        cuts: list[tuple[Sequence, int]] = []
-        for i in reversed(range(len(seqs))):
-            if over <= 0:
-                break
-            if not seqs[i].decoding and counts[i] > 1:
-                cut = min(over, counts[i] - 1)
-                cuts.append((seqs[i], cut))
-                counts[i] -= cut
-                over -= cut
-        if over > 0:
-            raise ValueError(f"fit_token_budget: requests {list(request_ids)} compute {sum(counts)} tokens at least "
+        counts = [s.step_tokens() for s in seqs]
+        fitted = fit_token_counts(counts, [not s.decoding for s in seqs], max_num_tokens)
+        if sum(fitted) > max_num_tokens:
+            raise ValueError(f"fit_token_budget: requests {list(request_ids)} compute {sum(fitted)} tokens at least "
                              f"(one per context chunk, 1 + drafts per decode), over max_num_tokens={max_num_tokens}")
-        for seq, cut in cuts:
-            seq.num_tokens -= cut
-        return counts
+        for seq, count, kept in zip(seqs, counts, fitted):
+            seq.trim_chunk(count - kept)
+        return fitted
 
     # ------------------------------------------------------------------ growth and release
 
@@ -286,55 +238,7 @@ class KVCacheManager:
             validate_prompt(tokens, None, None, (), None)
             if len(tokens) != n:
                 raise ValueError(f"add_token: {len(tokens)} token ids given for n={n}")
-        T = self.tokens_per_block
-        need = max(0, -(-(seq.num_tokens + n) // T) - len(seq.blocks))
-        old = seq.num_tokens
-        if not self._windowed:
-            # every beam grows alike
-            self._check_growth(f"growing request {request_id}", (need * seq.request.beam_width,))
-        else:
-            self._check_growth(f"growing request {request_id}", [need] * len(self._windows),
-                               self._sliding_gains(seq, old))
-            if not seq.opaque:   # store what the window is about to release: every token before ``old`` is written
-                self._storer.store(seq, old // T)
-            self._slide(seq, old)
-        first_new = len(seq.blocks)
-        if need > 0:
-            w0 = self._windows[0]
-            seq.blocks += w0.alloc(need)
-            for own in seq.beams:
-                own += w0.alloc(need)
-            for w, blocks in zip(self._windows[1:], seq.windows[1:]):
-                blocks += w.alloc(need)
-        seq.decoding = True
-        if tokens is None or seq.opaque or seq.request.extra_ids is not None:
-            seq.opaque = True
-        else:
-            seq.add_tokens(tokens)
-        seq.num_tokens += n
-        self._apply_retention(seq, first_new)
-        self.pools.flush()
-        if not seq.opaque:   # everything before this step's tokens is written (rejected drafts were rewound)
-            self._storer.store(seq, (seq.num_tokens - n) // self.tokens_per_block)
-
-    def _sliding_gains(self, seq: Sequence, pos: int) -> list[int]:
-        """Per window, the blocks sliding out before a step from ``pos`` would free (those ``seq`` alone holds)."""
-        if not self._windowed:
-            return []
-        return [sum(1 for b in w.sliding_out(blocks, start, pos) if b.ref_count == 1)
-                for w, blocks, start in zip(self._windows, seq.windows, seq.slid)]
-
-    def _slide(self, seq: Sequence, pos: int) -> None:
-        """Release the blocks of sliding windows that no query from ``pos`` on attends to, leaving placeholders; the
-        sequence can no longer be rewound below ``pos``."""
-        seq.floor = pos
-        for w, blocks in zip(self._windows, seq.windows):
-            end = w.first_needed(pos)
-            start = seq.slid[w.index]
-            if end > start:
-                w.release(blocks[start:end])
-                blocks[start:end] = [PLACEHOLDER] * (end - start)
-                seq.slid[w.index] = end
+        self._coord.decode(seq, n, tokens, f"growing request {request_id}")
 
     @_checked
     def rewind(self, request_id: int, n: int) -> None:
@@ -345,26 +249,12 @@ class KVCacheManager:
         every token is written and kept), so nothing reusable is lost.
         """
         seq = self._running(request_id)
-        generated = seq.num_tokens - max(len(seq.request.tokens), seq.stored * self.tokens_per_block, seq.floor)
+        generated = seq.rewindable(self.tokens_per_block)
         if type(n) is not int or not 1 <= n <= generated:
             raise ValueError(f"rewind: n must be an int in 1..{generated} (the tokens request {request_id} generated "
                              f"past its prompt, its stored blocks and, with a sliding window, its last step's start), "
                              f"got {n!r}")
-        seq.num_tokens -= n
-        del seq.tokens[seq.num_tokens:]
-        keep = -(-seq.num_tokens // self.tokens_per_block)
-        full = seq.num_tokens // self.tokens_per_block
-        assert seq.stored <= full, f"request {request_id}: a stored block would be rewound"
-        del seq.keys[full:], seq.hashes[full:]
-        dropped, seq.blocks[keep:] = seq.blocks[keep:], []
-        own_keep = keep - len(seq.request.tokens) // self.tokens_per_block
-        for own in seq.beams:
-            dropped += own[own_keep:]
-            del own[own_keep:]
-        self._windows[0].release(dropped)
-        for w, blocks in zip(self._windows[1:], seq.windows[1:]):
-            w.release(blocks[keep:])
-            del blocks[keep:]
+        self._coord.release(seq.rewind(n, self.tokens_per_block))
 
     @_checked
     def store_context_blocks(self, request_id: int) -> None:
@@ -400,13 +290,11 @@ class KVCacheManager:
         if store and not seq.beams:
             self._storer.store(seq, seq.storable_blocks(self.tokens_per_block))
         del self._seqs[request_id]
-        blocks = seq.blocks if not seq.beams else [b for own in seq.holders() for b in own]
+        held = seq.held_lists()
         if pin:
-            self._pinned[request_id] = (blocks, *seq.windows[1:])
-            return [b.block_id for b in blocks]
-        self._windows[0].release(blocks)
-        for w, others in zip(self._windows[1:], seq.windows[1:]):
-            w.release(others)
+            self._pinned[request_id] = held
+            return [b.block_id for b in held[0]]
+        self._coord.release(held)
         return []
 
     @_checked
@@ -435,16 +323,7 @@ class KVCacheManager:
         m = self._admit.match(tokens, lora_id, cache_salt, mm_keys, extra_ids, max_blocks=max_blocks) if tokens \
             else Match([])
         held = tuple(m.held(w.index) for w in self._windows)
-        for w, blocks in zip(self._windows, held):
-            free_claimed = sum(1 for b in blocks if b.tier == PRIMARY and b.ref_count == 0)
-            onboards = sum(1 for b in blocks if b.tier == SECONDARY)
-            if onboards > w.pool.num_free(PRIMARY) - free_claimed:
-                raise OutOfBlocksError(onboards, w.pool.num_free(PRIMARY) - free_claimed,
-                                       f"pinning {len(m.full)} blocks as {pin_id}{self._admit.in_window(w)}")
-        for w, blocks in zip(self._windows, held):
-            w.pool.ref_n(blocks)
-            w.pool.onboard_n([b for b in blocks if b.tier == SECONDARY])
-        self.pools.flush()
+        self._coord.hold(held, f"pinning {len(m.full)} blocks as {pin_id}")
         self._pinned[pin_id] = held
         return PinnedPrefix(len(m.full), tuple([b.slot for b in blocks] for blocks in held))
 
@@ -454,16 +333,13 @@ class KVCacheManager:
         held = self._pinned.pop(request_id, None)
         if held is None:
             raise KeyError(f"request {request_id} has no pinned blocks")
-        for w, blocks in zip(self._windows, held):
-            w.release(blocks)
+        self._coord.release(held)
 
     def _running(self, request_id: int) -> Sequence:
         seq = self._seqs.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id} is not running in this ledger")
         return seq
-
-    # ------------------------------------------------------------------ storing
 
     # ------------------------------------------------------------------ retention and clearing
 
@@ -487,16 +363,7 @@ class KVCacheManager:
     def get_block_ids(self, request_id: int, beam: int = 0, window: int = 0) -> list[int]:
         """Block ids of one beam of a running request, in sequence order; with attention windows, of one window
         (ids of ``window_blocks(window)``, ``NO_BLOCK`` for a placeholder)."""
-        seq = self._running(request_id)
-        if window != 0:
-            if type(window) is not int or not 0 < window < len(seq.windows):
-                raise ValueError(f"get_block_ids: window must be an int in 0..{len(seq.windows) - 1}, got {window!r}")
-            return [b.block_id for b in seq.windows[window]]
-        if beam == 0:
-            return [b.block_id for b in seq.blocks]
-        if type(beam) is not int or not 0 < beam < seq.request.beam_width:
-            raise ValueError(f"get_block_ids: beam must be an int in 0..{seq.request.beam_width - 1}, got {beam!r}")
-        return [b.block_id for b in seq.beam_rows(self.tokens_per_block)[beam]]
+        return self._running(request_id).block_ids(beam, window, self.tokens_per_block)
 
     def window_slots(self, request_id: int, start: int, end: int) -> tuple[list[int], ...]:
         """Each window's primary pool slots of running request ``request_id``'s blocks at positions ``start..end-1``
@@ -505,7 +372,7 @@ class KVCacheManager:
         if type(start) is not int or type(end) is not int or not 0 <= start <= end <= len(seq.blocks):
             raise ValueError(f"window_slots: need 0 <= start <= end <= {len(seq.blocks)} (request {request_id}'s "
                              f"blocks), got start={start!r}, end={end!r}")
-        return tuple([b.slot for b in blocks[start:end] if b is not PLACEHOLDER] for blocks in seq.windows)
+        return seq.window_slots(start, end)
 
     @property
     def window_pools(self) -> list[TieredPools]:
@@ -519,17 +386,7 @@ class KVCacheManager:
         pool where the slots run as the sender's do. Only blocks that the request alone holds and that hold nothing
         reusable yet may trade slots (no one else has seen their data); raises ``ValueError``, changing nothing,
         otherwise."""
-        seq = self._running(request_id)
-        if type(window) is not int or not 0 <= window < len(seq.windows):
-            raise ValueError(f"arrange_slots: window must be an int in 0..{len(seq.windows) - 1}, got {window!r}")
-        blocks = seq.windows[window][start:start + len(slots)] if type(start) is int and start >= 0 else None
-        if blocks is None or len(blocks) != len(slots) or sorted(b.slot for b in blocks) != sorted(slots):
-            raise ValueError(f"arrange_slots: slots must be an order of the slots of request {request_id}'s blocks "
-                             f"{start}..{start + len(slots) - 1}, got start={start!r}, slots={list(slots)!r}")
-        if seq.beams or any(b is PLACEHOLDER or b.ref_count != 1 or b.node is not None for b in blocks):
-            raise ValueError(f"arrange_slots: request {request_id}'s blocks {start}.. are shared or stored")
-        for b, slot in zip(blocks, slots):
-            b.slot = slot
+        self._running(request_id).arrange_slots(start, slots, window)
 
     def admission(self, request_id: int) -> Admission:
         return self._running(request_id).admission
@@ -545,24 +402,7 @@ class KVCacheManager:
         ``NO_BLOCK`` stands where a row holds no block: past the end of a row shorter than the longest, and at a
         sliding window's placeholder (a block that slid out). It is past every pool, so a read of it raises
         instead of wrapping to the last slot; a reader masks the positions it does not attend to."""
-        seqs = [self._running(rid) for rid in request_ids]
-        if len(self._windows) > 1:
-            width = max((len(s.blocks) for s in seqs), default=0)
-            table = torch.full((len(seqs), len(self._windows), width), NO_BLOCK, dtype=torch.int32)
-            for i, s in enumerate(seqs):
-                table[i, :, :len(s.blocks)] = torch.tensor([[b.slot for b in w] for w in s.windows], dtype=torch.int32)
-            return table.to(self.pools.device)
-        rows = []
-        for seq in seqs:
-            if seq.beams:
-                rows += [[b.slot for b in row] for row in seq.beam_rows(self.tokens_per_block)]
-            else:
-                rows.append([b.slot for b in seq.blocks])
-        width = max((len(r) for r in rows), default=0)
-        table = torch.full((len(rows), width), NO_BLOCK, dtype=torch.int32)
-        for i, r in enumerate(rows):
-            table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-        return table.to(self.pools.device)
+        return self._coord.block_table([self._running(rid) for rid in request_ids])
 
     def analyze_prefix_reuse(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                              mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> PrefixReuseSummary:
@@ -570,13 +410,7 @@ class KVCacheManager:
         counts as allocated when every window that keeps a block there has it held by a running request (a
         placeholder costs no block), so the figure does not depend on the order the windows are listed in."""
         validate_prompt(tokens, lora_id, cache_salt, mm_keys, extra_ids)
-        m = self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids)
-        rows = zip(*m.windows) if m.windows is not None else ((b,) for b in m.full)
-        return PrefixReuseSummary(
-            reusable_blocks_allocated=sum(1 for row in rows if all(b is PLACEHOLDER or b.ref_count > 0 for b in row)),
-            reusable_blocks_all=len(m.full),
-            total_matched_tokens=len(m.full) * self.tokens_per_block + m.partial_len,
-            first_new_block=len(m.full))
+        return self._match(tokens, lora_id, cache_salt, mm_keys, extra_ids).summary(self.tokens_per_block)
 
     def _match(self, tokens: Seq[int], lora_id: int | None, cache_salt: str | None, mm_keys: Seq[MmKey],
                extra_ids: Seq[int] | None) -> Match:
@@ -588,7 +422,7 @@ class KVCacheManager:
         """Per window, the blocks matching ``request``'s prompt that running requests hold: they cost that window's
         pool nothing."""
         m = self._match(request.tokens, request.lora_id, request.cache_salt, request.mm_keys, request.extra_ids)
-        return tuple(sum(1 for b in m.held(w.index) if b.ref_count > 0) for w in self._windows)
+        return m.held_by_running(len(self._windows))
 
     def probe_prefix_match_length(self, tokens: Seq[int], lora_id: int | None = None, cache_salt: str | None = None,
                                   mm_keys: Seq[MmKey] = (), extra_ids: Seq[int] | None = None) -> int:
@@ -606,26 +440,14 @@ class KVCacheManager:
     def step_blocks_by_window(self, request_id: int, two_steps_lookahead: bool = False) -> tuple[int, ...]:
         """``get_needed_blocks_one_step`` per window, in ``window_block_counts`` order: what each window's own
         pool must supply (the other beams' tails of a context chunk come from window 0, the only one with beams)."""
-        seq = self._running(request_id)
-        prompt = len(seq.request.tokens)
-        if not seq.decoding and seq.num_tokens < prompt:
-            need, tails = self._chunk_blocks(seq, min(prompt, seq.num_tokens + (self.config.context_chunk_size
-                                                                               or prompt)))
-            return (need + tails,) + (need,) * (len(self._windows) - 1)
-        return (self._decode_blocks(seq, two_steps_lookahead),) * len(self._windows)   # every window grows alike
+        return self._coord.step_blocks(self._running(request_id), two_steps_lookahead)
 
     def check_decode_step(self, request_ids: Seq[int]) -> None:
         """``OutOfBlocksError`` unless the decoding ``request_ids`` can all grow by one step at once, changing
         nothing: each window grows alike and draws on its own pool, so each window's need is held against that
         window's free blocks, never against the sum over windows."""
-        need = sum(self._decode_blocks(self._running(rid), False) for rid in request_ids)
-        self._check_growth(f"decode step of request(s) {list(request_ids)}", [need] * len(self._windows))
-
-    def _decode_blocks(self, seq: Sequence, two_steps_lookahead: bool) -> int:
-        """Blocks one window of decoding ``seq`` allocates in its next step (two, looking ahead)."""
-        r = seq.request
-        return step_blocks(seq.num_tokens, len(seq.blocks), r.num_draft_tokens, r.beam_width, self.tokens_per_block,
-                           two_steps_lookahead)
+        need = sum(self._running(rid).step_blocks(self.tokens_per_block, False) for rid in request_ids)
+        self._coord.check_growth(f"decode step of request(s) {list(request_ids)}", self._coord.per_window(need, need))
 
     def get_context_budget(self, request: Request) -> ContextBudget:
         """What admitting ``request``'s context costs: ``context_budget_by_window``, its blocks summed over the
@@ -643,17 +465,12 @@ class KVCacheManager:
         blocks that running requests hold in that window; and the prompt tokens the prefix tree is expected to
         supply. Chunked, the blocks come as chunks are admitted; the budget is the whole context's."""
         _require_request("context_budget_by_window", request)
-        n = len(request.tokens)
         reuse = held = None
         if self.config.enable_block_reuse:
             reuse = self.analyze_prefix_reuse(request.tokens, request.lora_id, request.cache_salt, request.mm_keys,
                                               request.extra_ids)
             held = self._held_matched(request)
-        bubble = sink_bubble(self.config.sink_tokens, self.tokens_per_block)
-        return tuple(context_budget(n, request.num_draft_tokens, request.max_new_tokens, request.beam_width,
-                                    self.tokens_per_block, self.config.context_chunk_size or n, w.size, bubble,
-                                    None if reuse is None else replace(reuse, reusable_blocks_allocated=held[w.index]))
-                     for w in self._windows)
+        return self._coord.context_budgets(request, reuse, held)
 
     def get_remaining_blocks_to_completion(self, request: Request) -> int:
         """Blocks a request still needs until ``max_new_tokens`` (shared, already held blocks excluded), its last
@@ -667,38 +484,23 @@ class KVCacheManager:
         the full attention windows only (a sliding window may hold none of them when it needs its blocks)."""
         totals = self.blocks_to_completion_by_window(request)
         seq = self._seqs.get(request.request_id)
-        if not self._windowed:
-            if seq is not None:
-                return (max(0, totals[0] - sum(len(h) for h in seq.holders())),)
-            return (totals[0] - self._held_matched(request)[0],)
-        if seq is not None:
-            return tuple(max(0, t - sum(1 for b in blocks if b is not PLACEHOLDER))
-                         for t, blocks in zip(totals, seq.windows))
-        held = self._held_matched(request)
-        return tuple(t - held[w.index] if w.size is None else t for t, w in zip(totals, self._windows))
+        return self._coord.remaining_blocks(totals, seq, () if seq is not None else self._held_matched(request))
 
     def blocks_to_completion_by_window(self, request: Request) -> tuple[int, ...]:
         """The most blocks each window holds for ``request`` at once, shared or its own, its last step's drafts
         counted: what that window's pool must be able to hold at all (a sliding window: the prompt's blocks, then
         those of one window and one filling)."""
         _require_request("blocks_to_completion_by_window", request)
-        T = self.tokens_per_block
-        total = blocks_to_completion(len(request.tokens), request.max_new_tokens, request.num_draft_tokens,
-                                     request.beam_width, T)
-        prompt = ceil_div(len(request.tokens), T)
-        return tuple(total if w.size is None else min(total, max(prompt, ceil_div(w.size + request.num_draft_tokens,
-                                                                                 T) + 1))
-                     for w in self._windows)
+        return self._coord.blocks_to_completion(request)
 
     def context_limit(self) -> int | None:
         """The most tokens, prompt and output, one request can ever hold here: a full-attention window keeps
         every block, so its pool is the bound (never the sum over windows); ``None`` with sliding windows only."""
-        full = [w.pool.num_primary for w in self._windows if w.size is None]
-        return min(full) * self.tokens_per_block if full else None
+        return self._coord.context_limit()
 
     def free_blocks_by_window(self) -> tuple[int, ...]:
         """Free device blocks of each window's pool, in ``window_block_counts`` order."""
-        return tuple(w.pool.num_free(PRIMARY) for w in self._windows)
+        return self._coord.free_blocks()
 
     # ------------------------------------------------------------------ scheduling
 
@@ -734,7 +536,7 @@ class KVCacheManager:
     def scheduling_remove_sequence(self, request_id: int) -> None:
         """Count the blocks that pausing ``request_id`` would free in this round."""
         seq = self._running(request_id)
-        self._round.release([seq.holders(), *((blocks,) for blocks in seq.windows[1:])])
+        self._round.release([seq.held_in(w.index) for w in self._windows])
 
     @property
     def scheduling_num_free_blocks(self) -> int:
@@ -743,23 +545,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ reports
 
     def stats(self) -> KvCacheStats:
-        pools = [w.pool for w in self._windows]
-        per = tuple(WindowStats(w.size, w.pool.num_primary, w.pool.num_free(PRIMARY),
-                                w.pool.num_primary - w.pool.num_free(PRIMARY), w.pool.num_free(SECONDARY))
-                    for w in self._windows)
-        free = sum(w.free_num_blocks for w in per)
-        reused, missed = self._admit.reused, self._admit.missed
-        looked = reused + missed
-        total_blocks = self.num_primary + self.num_secondary
-        return KvCacheStats(
-            max_num_blocks=self.num_primary, free_num_blocks=free, used_num_blocks=self.num_primary - free,
-            tokens_per_block=self.tokens_per_block, alloc_total_blocks=sum(p.alloc_total for p in pools),
-            alloc_new_blocks=sum(p.alloc_new for p in pools), reused_blocks=reused, missed_blocks=missed,
-            cache_hit_rate=reused / looked if looked else 0.0,
-            num_free_secondary_blocks=sum(w.num_free_secondary_blocks for w in per),
-            allocated_bytes=total_blocks * self.config.bytes_per_block if self.config.materialize else 0,
-            max_num_secondary_blocks=self.num_secondary, offloaded_blocks=sum(p.offloaded for p in pools),
-            onboarded_blocks=sum(p.onboarded for p in pools), events_dropped=self._events.dropped, windows=per)
+        return self._coord.stats(self._admit.reused, self._admit.missed, self._events.dropped)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the event buffer, oldest first."""
@@ -779,6 +565,5 @@ class KVCacheManager:
 
     def _holders(self, window: int = 0) -> list[list[Block]]:
         """Every block list that holds references in ``window``: running sequences' (every beam's own) and pins."""
-        if window:
-            return [*(s.windows[window] for s in self._seqs.values()), *(p[window] for p in self._pinned.values())]
-        return [*(h for s in self._seqs.values() for h in s.holders()), *(p[0] for p in self._pinned.values())]
+        pins = (p[window] for p in self._pinned.values())
+        return [*(h for s in self._seqs.values() for h in s.held_in(window)), *pins]

@@ -18,6 +18,7 @@ from operator import itemgetter
 
 from kvledger.worker.ledger.block import PLACEHOLDER, Block
 from kvledger.worker.ledger.prefix_tree import PrefixTree, TreeNode
+from kvledger.worker.ledger.stats import PrefixReuseSummary
 from kvledger.worker.ledger.window import WindowManager
 from kvledger.worker.wire.block_key import BlockKey, MmKey, block_keys
 
@@ -48,6 +49,21 @@ class Match:
         held = self.held(window)
         return [*held, self.partial] if self.in_place and window == 0 else held
 
+    def held_by_running(self, num_windows: int) -> tuple[int, ...]:
+        """Per window, the matched blocks that running requests hold: they cost that window's pool nothing."""
+        return tuple(sum(1 for b in self.held(w) if b.ref_count > 0) for w in range(num_windows))
+
+    def summary(self, tokens_per_block: int) -> PrefixReuseSummary:
+        """What admitting the matched prompt now would reuse. With attention windows, a matched position counts as
+        allocated when every window that keeps a block there has it held by a running request (a placeholder costs
+        no block), so the figure does not depend on the order the windows are listed in."""
+        rows = zip(*self.windows) if self.windows is not None else ((b,) for b in self.full)
+        return PrefixReuseSummary(
+            reusable_blocks_allocated=sum(1 for row in rows if all(b is PLACEHOLDER or b.ref_count > 0 for b in row)),
+            reusable_blocks_all=len(self.full),
+            total_matched_tokens=len(self.full) * tokens_per_block + self.partial_len,
+            first_new_block=len(self.full))
+
 
 def match_prompt(tree: PrefixTree, windows: Seq[WindowManager], tokens: Seq[int], lora_id: int | None,
                  cache_salt: str | None, mm_keys: Seq[MmKey], extra_ids: Seq[int] | None, partial: bool,
@@ -58,7 +74,7 @@ def match_prompt(tree: PrefixTree, windows: Seq[WindowManager], tokens: Seq[int]
     T = windows[0].tokens_per_block
     usable = len(tokens) - 1
     n_full = usable // T if max_blocks is None else min(usable // T, max_blocks)
-    if len(windows) > 1 or windows[0].size is not None:
+    if len(windows) > 1 or windows[0].slides:
         return _match_windows(tree, windows, block_keys(tokens, T, lora_id=lora_id, cache_salt=cache_salt,
                                                         mm_keys=mm_keys, extra_ids=extra_ids, include_partial=True),
                               n_full)
@@ -125,9 +141,10 @@ def _match_windows(tree: PrefixTree, windows: Seq[WindowManager], keys: list[Blo
     ``min(depth, ceil((size - 1) / T))`` of them (``first_needed`` of the first computed position on).
     """
     T = windows[0].tokens_per_block
-    full = [w.index for w in windows if w.size is None]
+    reach = [w.reach() for w in windows]
+    full = [w.index for w, r in zip(windows, reach) if r is None]
     of_full = itemgetter(*full, full[0]) if full else None   # a node's full-attention blocks, always as a tuple
-    slide = [(w.index, -(-(w.size - 1) // T)) for w in windows if w.size is not None]
+    slide = [(w.index, r) for w, r in zip(windows, reach) if r is not None]
     runs = [0] * len(slide)   # blocks held back to back up to the current depth, per sliding window
     several = len(windows) > 1   # else the tree keeps no ``others``
     path: list[TreeNode] = []

@@ -4,12 +4,9 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from hypothesis import Phase, settings
+from derandomized import run_derandomized, without_mined_constants
 from hypothesis import strategies as st
-from hypothesis.internal.cache import LRUCache
-from hypothesis.internal.conjecture import providers
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from ledger_helpers import FakeClock, make_manager, make_windowed_manager, read_kv, serve, token_value, write_kv
 
 from kvledger.worker.ledger import NO_BLOCK, OutOfBlocksError, Request, RetentionConfig, TokenRange
@@ -17,14 +14,7 @@ from kvledger.worker.ledger import NO_BLOCK, OutOfBlocksError, Request, Retentio
 
 @pytest.fixture(autouse=True)
 def no_mined_constants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Draw without the constants Hypothesis (6.1xx, through its internals) mines from every loaded local module
-    and caches for the session: with them the derandomized workloads, and so the coverage floors below, depend on
-    which modules other tests loaded first and on every constant in them. Hypothesis's global constants stay, and
-    the sequence is the same in any run."""
-    monkeypatch.setattr(providers, "_get_local_constants", lambda: providers.Constants(
-        integers=providers.SortedSet(), floats=providers.SortedSet(key=providers.float_to_int),
-        bytes=providers.SortedSet(), strings=providers.SortedSet()))
-    monkeypatch.setattr(providers, "CONSTANTS_CACHE", LRUCache(1024))
+    without_mined_constants(monkeypatch)
 
 
 # Few distinct prefixes, so that prompts share blocks, partly match and collide often.
@@ -186,13 +176,6 @@ class LedgerMachine(RuleBasedStateMachine):
         LedgerMachine.steps += 1
         self.mgr.check_integrity()
         self.mgr.take_events()
-
-
-def run_derandomized(machine: type, max_examples: int) -> None:
-    """``machine`` through one fixed sequence of workloads of 60 steps each, whatever HYPOTHESIS_PROFILE says."""
-    run_state_machine_as_test(machine, settings=settings(max_examples=max_examples, stateful_step_count=60,
-                                                         deadline=None, database=None, derandomize=True,
-                                                         phases=[Phase.generate]))
 
 
 def test_random_workloads_keep_the_books_and_the_kv():

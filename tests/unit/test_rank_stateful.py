@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import Phase, settings
+import pytest
+from derandomized import run_derandomized, without_mined_constants
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from rank_fuzz import PREFIXES, T, cache, scratch
 
 from kvledger.worker.rank.scheduler import CAPACITY_POLICIES, BatchingConfig, BatchScheduler, Ticket
@@ -24,6 +25,11 @@ from kvledger.worker.wire.errors import OutOfBlocksError, RequestAbortedError
 from kvledger.worker.wire.request import GREEDY, Request, Sampling
 
 MAX_DRAIN_STEPS = 2000
+
+
+@pytest.fixture(autouse=True)
+def no_mined_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    without_mined_constants(monkeypatch)
 
 
 class RankMachine(RuleBasedStateMachine):
@@ -121,8 +127,6 @@ class RankMachine(RuleBasedStateMachine):
 
 def test_a_rank_driven_step_by_step_answers_as_scratch_and_keeps_its_books():
     RankMachine.steps = RankMachine.answered = RankMachine.aborted = 0
-    run_state_machine_as_test(RankMachine, settings=settings(max_examples=30, stateful_step_count=40, deadline=None,
-                                                             database=None, derandomize=True,
-                                                             phases=[Phase.generate]))
-    assert RankMachine.steps >= 300 and RankMachine.answered >= 50, (RankMachine.steps, RankMachine.answered)
+    run_derandomized(RankMachine, max_examples=80, step_count=40)
+    assert RankMachine.steps >= 600 and RankMachine.answered >= 150, (RankMachine.steps, RankMachine.answered)
     assert RankMachine.aborted > 0

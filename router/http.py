@@ -303,7 +303,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
 
     def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int],
                  chat: bool) -> Response:
-        fields = body.sampling()
+        fields = body.passthrough()
         if chat:
             fields["messages"] = body.message_dicts()
         args = dict(max_tokens=body.max_new, cache_salt=who.salt(body.cache_salt), lora_id=body.lora_id,
@@ -334,7 +334,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     @app.post("/v1/chat/completions", responses=GENERATED)
     async def chat_completions(body: ChatBody, who: User) -> Response:
         def run() -> Response:
-            model, tokens = service.models.encode_chat(body.message_dicts(), body.model)
+            model, tokens = service.models.encode_chat(body.message_dicts(), body.model, body.passthrough())
             return generate(body, who, model, tokens, chat=True)
         return await in_worker_thread(run)
 

@@ -44,7 +44,11 @@ class StreamOptions(_Body):
 
 
 class _Sampled(_Body):
-    """What every generating request shares: the model, streaming, sampling, and kvledger's own fields."""
+    """What every generating request shares: the model, streaming, sampling, and kvledger's own fields. Every
+    other field the client sends is kept as sent (``passthrough``): a vLLM server gets it, own ranks refuse what
+    they do not serve by name."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     """A model of ``GET /v1/models`` (none: the first listed)."""
@@ -84,14 +88,17 @@ class _Sampled(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self) -> dict:
-        """The sampling parameters given, as the engine is sent them (``Generation.fields``)."""
-        return {k: v for k in SAMPLING if (v := getattr(self, k, None)) is not None}
+    def passthrough(self) -> dict:
+        """The client's fields as it sent them, known or not (``Generation.fields``), less those the router
+        decides itself (``ROUTER_FIELDS``)."""
+        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if k not in ROUTER_FIELDS}
 
 
-#: The sampling parameters a vLLM server gets as the client sent them (``n`` and the token limits apart).
-SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos",
-            "use_beam_search", "length_penalty", "logprobs", "top_logprobs")
+#: What the router decides itself rather than pass on: the model and the prompt (as the token ids it hashed),
+#: how many tokens and choices, streaming, and kvledger's own fields (a salt namespaced per tenant, an adapter
+#: and a retention priority, each sent to the engine in its own way).
+ROUTER_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream",
+                           "stream_options", "cache_salt", "lora_id", "priority"})
 
 
 class CompletionBody(_Sampled):
@@ -103,8 +110,12 @@ class CompletionBody(_Sampled):
 
 
 class Message(_Body):
+    """A chat message: its role and content checked, every other field (an assistant's ``tool_calls``, a tool
+    message's ``tool_call_id``, a ``name``) kept as sent. An assistant turn that calls tools has no content."""
+
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict]
+    content: str | list[dict] | None = None
 
 
 class ChatBody(_Sampled):
@@ -115,7 +126,8 @@ class ChatBody(_Sampled):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
     def message_dicts(self) -> list[dict]:
-        return [m.model_dump() for m in self.messages]
+        """The messages as the client sent them (every field, ``content: null`` kept)."""
+        return [m.model_dump(exclude_unset=True) for m in self.messages]
 
 
 class RouteBody(_Body):

@@ -26,12 +26,18 @@ from kvledger.worker.wire.messages import RankInfo, RankLoad, ServeOutcome
 from kvledger.worker.wire.request import Request, RetentionConfig, Sampling, TokenRange
 
 PENALTIES = ("presence_penalty", "frequency_penalty")
+#: The client fields own ranks serve (``user`` and ``metadata`` only label a request); any other that asks for
+#: something (not null, false, zero or empty, as clients send defaults) is refused by name, never dropped: vLLM
+#: servers take every field as sent.
+SERVED_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "logprobs", "top_logprobs", "ignore_eos",
+                           "use_beam_search", "length_penalty", "messages", "user", "metadata", *PENALTIES})
 
 
 class PlainChat:
     """The reference engine's chat template (``router.chat.render_plain``)."""
 
-    def render(self, messages) -> str:
+    def render(self, messages, fields: dict | None = None) -> str:
+        """``messages`` rendered; the plain template has no tools or options (the ranks refuse them by name)."""
         return render_plain(messages)
 
 
@@ -108,6 +114,10 @@ class OwnEngine:
         beam search of ``n`` beams, each checked; ``ValueError`` names a bad one."""
         if not 1 <= job.n <= MAX_N:
             raise ParamError("n", f"n must be 1..{MAX_N}, got {job.n!r}")
+        unserved = sorted(k for k, v in job.fields.items() if k not in SERVED_FIELDS and v not in (None, 0, "", [], {}))
+        if unserved:
+            raise ParamError(unserved[0], f"{unserved[0]}: the {self._info.model} ranks do not serve it (vLLM "
+                                          "servers take every field as sent)")
         if job.fields.get("use_beam_search") and job.n > 1:
             return [beam_search_of(job, self._info.model)]
         return [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,

@@ -53,3 +53,19 @@ def wait_logged(client: httpx.Client, cond, what: str, rank: int | None = None, 
         if lines:
             since = lines[-1]["id"] + 1
     return got
+
+
+#: How long an engine's events may take to reach the index (they arrive within milliseconds here).
+INDEX_WAIT_S = 30.0
+
+
+def wait_indexed(service, rank: int, tokens: list[int], want: int,
+                 cache_salt: str | None = None) -> None:
+    """Until the index holds ``want`` tokens of ``tokens`` on ``rank`` (bounded), woken by each event the feed
+    logs for the rank (they arrive on the subscriber's thread)."""
+    deadline = time.monotonic() + INDEX_WAIT_S
+    since = service.feed.log.next_id
+    while (got := service.probe(tokens, cache_salt=cache_salt)[rank].matched_tokens) < want:
+        left = deadline - time.monotonic()
+        assert left > 0, f"rank {rank} indexed {got} of {want} tokens after {INDEX_WAIT_S:g} s"
+        _, since = service.feed.wait_events(since, rank, 1000, min(left, 1.0))

@@ -227,11 +227,13 @@ class VllmServer:
     """One vLLM OpenAI server on 127.0.0.1, prefix caching and ZMQ KV events on, logging to ``log_path``."""
 
     def __init__(self, python: Path, model: Path, workdir: Path, *, block_size: int = 32,
-                 publisher_connects: bool = False) -> None:
+                 publisher_connects: bool = False, args: Sequence[str] = ()) -> None:
         self.python = python
         self.model = model
         self.block_size = block_size
         self.publisher_connects = publisher_connects
+        self.args = tuple(args)
+        """More of the server's command-line options (tool calling, for one)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -272,7 +274,7 @@ class VllmServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(self.block_size),
                 "--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "bfloat16",
                 "--max-model-len", str(MAX_MODEL_LEN), "--kv-events-config",
-                json.dumps(self.kv_events_config)]
+                json.dumps(self.kv_events_config), *self.args]
 
     def start(self) -> None:
         """Start the process (returns at once: start-up takes minutes, see ``wait_ready``)."""
@@ -351,6 +353,7 @@ class EngineSpec:
 
     block_size: int = 32
     publisher_connects: bool = False
+    args: tuple[str, ...] = ()
 
 
 def start_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
@@ -363,7 +366,7 @@ def start_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     python = vllm_python()
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), python)
     servers = [VllmServer(python, model, tmp_path_factory.mktemp(f"vllm-b{spec.block_size}"),
-                          block_size=spec.block_size, publisher_connects=spec.publisher_connects)
+                          block_size=spec.block_size, publisher_connects=spec.publisher_connects, args=spec.args)
                for spec in specs]
 
     def stop_all() -> None:

@@ -138,6 +138,8 @@ def test_models_and_a_streamed_completion_as_server_sent_events(router):
     ({"max_tokens": 3}, "prompt", "Field required"),
     ({"prompt": "x", "n": 2, "use_beam_search": True, "temperature": 0.5}, "temperature", "samples nothing"),
     ({"prompt": "x", "n": 2, "use_beam_search": True, "max_tokens": 0}, "max_tokens", "a token at least"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "ranks do not serve it"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "ranks do not serve it"),
 ])
 def test_bad_requests_get_400_naming_the_field_and_change_nothing(router, body, param, needle):
     service, _, client = router
@@ -167,7 +169,9 @@ def test_malformed_json_and_bad_queries_are_400_too(router):
     assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
     assert client.get("/v1/events", params={"since": -1}).status_code == 400
     ignored = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "user": "me", "echo": False})
-    assert ignored.status_code == 200, "unknown fields are ignored, as vLLM ignores them"
+    assert ignored.status_code == 200, "a label, and a field that asks for nothing, pass"
+    refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "echo": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo", "never dropped silently"
 
 
 def test_events_stream_as_ndjson_and_follow_live(router):

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
+from router_helpers import INDEX_WAIT_S, wait_indexed
 from vllm_engines import START_TIMEOUT_S, VllmServer, encode_like_engine
 
 from kvledger.coordinator.local_cluster import LocalCluster
@@ -30,8 +30,6 @@ from kvledger.worker.ledger import CacheConfig
 pytestmark = pytest.mark.timeout(int(START_TIMEOUT_S) + 600)   # set-up starts both engines
 
 T = 16
-WAIT_S = 30.0
-"""How long an engine's events may take to reach the index (they arrive within milliseconds here)."""
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +55,6 @@ def complete(client: httpx.Client, tokens: list[int], model: str, **fields) -> d
     r = client.post("/v1/completions", json={"prompt": tokens, "max_tokens": 2, "model": model, **fields})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def wait_indexed(service: RouterService, rank: int, tokens: list[int], want: int,
-                 cache_salt: str | None = None) -> None:
-    """Until the index holds ``want`` tokens of ``tokens`` on ``rank`` (bounded), woken by each event the feed
-    logs for the rank (they arrive on the subscriber's thread)."""
-    deadline = time.monotonic() + WAIT_S
-    since = service.feed.log.next_id
-    while (got := service.probe(tokens, cache_salt=cache_salt)[rank].matched_tokens) < want:
-        left = deadline - time.monotonic()
-        assert left > 0, f"rank {rank} indexed {got} of {want} tokens after {WAIT_S:g} s"
-        _, since = service.feed.wait_events(since, rank, 1000, min(left, 1.0))
 
 
 def test_the_router_finds_each_servers_model_block_size_tokenizer_and_events(router, vllm_servers) -> None:
@@ -207,7 +193,7 @@ def test_a_stream_holds_its_admission_slot_until_it_ends_and_one_past_the_bounds
                 assert r.status_code == 200
                 assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
             # the stream's end is seen on the server's thread
-            assert service.admission.wait_idle(WAIT_S), f"the slot is still held: {service.admission.counts()}"
+            assert service.admission.wait_idle(INDEX_WAIT_S), f"the slot is still held: {service.admission.counts()}"
             dropped = service.stream(tokens, max_tokens=2, model=model)
             assert service.admission.counts() == (1, 0)
             del dropped

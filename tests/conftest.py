@@ -61,11 +61,12 @@ def ray_session():
 @pytest.fixture(scope="module")
 def vllm_servers(request, tmp_path_factory):
     """Two real vLLM servers for one test module (block size 32 with a publisher that binds, 64 with one that
-    connects), stopped by their process ids when the module ends (``tests/vllm_engines.py``)."""
-    from vllm_engines import EngineSpec, start_engines
+    connects), tool calling on, stopped by their process ids when the module ends (``tests/vllm_engines.py``)."""
+    from vllm_engines import TOOL_CALLING, EngineSpec, start_engines
 
-    return start_engines(request, tmp_path_factory,
-                         [EngineSpec(block_size=32), EngineSpec(block_size=64, publisher_connects=True)])
+    return start_engines(request, tmp_path_factory, [EngineSpec(block_size=32, args=TOOL_CALLING),
+                                                     EngineSpec(block_size=64, publisher_connects=True,
+                                                                args=TOOL_CALLING)])
 
 
 @pytest.fixture(scope="module")

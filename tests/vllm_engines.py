@@ -347,6 +347,10 @@ class VllmServer:
         self.wait_ready(timeout_s)
 
 
+#: The options that turn a server's tool calling on (a named ``tool_choice`` needs a parser too).
+TOOL_CALLING = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine for :func:`start_engines`."""

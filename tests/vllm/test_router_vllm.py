@@ -1,5 +1,6 @@
 """Real vLLM servers behind the router, beside kvledger's own ranks: discovery, one index of two block sizes,
-routing by prefix, proxied answers, predicted against delivered cached tokens, and an engine that dies.
+routing by prefix, proxied answers, predicted against delivered cached tokens, an engine that dies, and an
+agent's turns (tool calls, their results, a JSON schema, streamed tool-call deltas) with the ``openai`` SDK.
 
 Two engines are started once for the module (block size 32 with a publisher that binds, 64 with one that
 connects, so the router binds); the router runs in this process over two in-process ranks of its own and the
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 import torch
 from router_helpers import INDEX_WAIT_S, wait_indexed
@@ -244,3 +246,91 @@ def test_bench_replays_a_trace_through_the_servers_policy_by_policy(router, vllm
         assert e["predicted_cached_tokens"] >= 0 and e["delivered_cached_tokens"] > 0, "the trace shares prefixes"
         replayed = result.runs[policy]
         assert len(replayed.prompt_tokens) == 40 and set(replayed.rank.tolist()) <= {0, 1}, "ranks counted from 0"
+
+
+# --- agents: tools, schemas and vLLM's own fields, through the router as sent ------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+CALL_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+QUESTION = "Before we plan the trip, tell me what the weather is like in Paris today. " * 4
+
+
+def engine_tokens(direct: httpx.Client, model: str, messages: list[dict], tools: list[dict]) -> list[int]:
+    """The prompt's token ids as the engine renders the chat (its ``/tokenize``)."""
+    r = direct.post("/tokenize", json={"model": model, "messages": messages, "tools": tools,
+                                       "add_generation_prompt": True})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def sdk_of(client: httpx.Client) -> openai.OpenAI:
+    """The official SDK, pointed at the router."""
+    return openai.OpenAI(base_url=f"{str(client.base_url).rstrip('/')}/v1", api_key="unused", timeout=120,
+                         max_retries=0)
+
+
+@pytest.fixture
+def direct(vllm_servers: list[VllmServer]) -> Iterator[httpx.Client]:
+    """The first engine, straight (no router)."""
+    with httpx.Client(base_url=vllm_servers[0].url, timeout=120) as c:
+        yield c
+
+
+def test_a_tool_call_and_its_result_over_three_turns_hash_as_the_engine_renders_them(router, vllm_servers, direct):
+    """With the ``openai`` SDK: every turn's prompt, tool calls and results included, is hashed as the engine
+    renders it (its ``/tokenize``), and once the previous turn's events are in, predicted as delivered."""
+    service, client = router
+    sdk, model = sdk_of(client), vllm_servers[0].model_name
+    messages: list[dict] = [{"role": "user", "content": QUESTION}]
+    previous_held = previous_rank = 0   # the full blocks of the turn before, and where it ran
+    for turn, choice in enumerate([CALL_WEATHER, CALL_WEATHER, "none"]):
+        _, tokens = service.models.encode_chat(messages, model, {"tools": TOOLS})
+        assert tokens == engine_tokens(direct, model, messages, TOOLS), f"turn {turn}: hashed as the engine renders"
+        if turn:
+            wait_indexed(service, previous_rank, tokens, previous_held)
+        got = sdk.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=choice,
+                                          max_tokens=24, temperature=0)
+        kv = got.model_extra["kvledger"]
+        rank = kv["rank"]
+        bs = service.feed.index.block_size(rank)
+        assert got.usage.prompt_tokens == len(tokens)
+        assert kv["predicted_cached_tokens"] == kv["cached_tokens"] == got.usage.prompt_tokens_details.cached_tokens
+        if turn:
+            assert kv["cached_tokens"] >= previous_held > 0, f"turn {turn} reuses the conversation so far"
+            assert rank == previous_rank, "the conversation stays where its prefix is"
+        message = got.choices[0].message
+        if choice == "none":
+            assert message.tool_calls is None and message.content
+            break
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather" and call.id
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": f"sunny, {20 + turn} degrees"}]
+        previous_held = (len(tokens) - 1) // bs * bs
+        previous_rank = rank
+
+
+def test_a_json_schema_and_vllms_own_fields_pass_through_as_sent(router, vllm_servers, direct):
+    """``response_format`` with a schema and ``min_tokens`` (vLLM's): the router's answer is the engine's own."""
+    sdk = sdk_of(router[1])
+    body = {"model": vllm_servers[0].model_name, "messages": [{"role": "user", "content": "A JSON object, please."}],
+            "max_tokens": 40, "temperature": 0, "min_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+                "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}
+    want = direct.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    got = sdk.chat.completions.create(**{k: v for k, v in body.items() if k != "min_tokens"},
+                                      extra_body={"min_tokens": 5})
+    assert got.choices[0].message.content == want and want.lstrip().startswith("{")
+
+
+def test_tool_call_deltas_stream_through_chunk_by_chunk(router, vllm_servers):
+    _, client = router
+    stream = sdk_of(client).chat.completions.create(
+        model=vllm_servers[0].model_name, messages=[{"role": "user", "content": QUESTION}], tools=TOOLS,
+        tool_choice=CALL_WEATHER, max_tokens=24, temperature=0, stream=True)
+    deltas = [d for chunk in stream for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    assert len(deltas) > 1 and deltas[0].function.name == "get_weather", "the call arrives in pieces, as sent"
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert arguments.lstrip().startswith("{") and json.dumps(arguments)

@@ -30,6 +30,7 @@ import torch
 
 from kvledger.worker.engine.reference import ReferenceEngine
 from kvledger.worker.ledger import CacheConfig, KVCacheManager
+from kvledger.worker.ledger.budget import blocks_to_completion
 from kvledger.worker.rank.batch import BatchDriver, ServeResult
 from kvledger.worker.rank.scheduler import CAPACITY_POLICIES, BatchingConfig
 from kvledger.worker.rank.worker import RankWorker
@@ -89,8 +90,7 @@ def requests(rng: random.Random, full_blocks: int, windowed: bool) -> list[Reque
         max_new = rng.randrange(1, 9)
         beams = 1 if windowed or rng.random() < 0.8 else rng.randrange(2, 4)
         drafts = 0 if beams > 1 or rng.random() < 0.6 else rng.randrange(1, 4)
-        per_beam = -(-(len(tokens) + max_new + drafts) // T)
-        if per_beam + (beams - 1) * (per_beam - len(tokens) // T) > full_blocks:
+        if blocks_to_completion(len(tokens), max_new, drafts, beams, T) > full_blocks:
             continue
         sampling = GREEDY if beams > 1 or rng.random() < 0.5 else Sampling(temperature=1.0, seed=rng.randrange(1000))
         out.append(Request(i + 1, tokens, max_new, sampling=sampling, num_draft_tokens=drafts, beam_width=beams))

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from rank_fuzz import PREFIXES, T, cache, scratch
 
+from kvledger.worker.ledger.budget import blocks_to_completion
 from kvledger.worker.rank.scheduler import CAPACITY_POLICIES, BatchingConfig, BatchScheduler, Ticket
 from kvledger.worker.rank.worker import RankWorker
 from kvledger.worker.wire.errors import OutOfBlocksError, RequestAbortedError
@@ -60,8 +61,7 @@ class RankMachine(RuleBasedStateMachine):
         beams = 3 if kind == "beams" and self.cfg.attention_windows is None else 1
         drafts = 2 if kind == "drafting" else 0
         tokens = prefix + tail
-        per_beam = -(-(len(tokens) + max_new + drafts) // T)
-        if per_beam + (beams - 1) * (per_beam - len(tokens) // T) > self.full:
+        if blocks_to_completion(len(tokens), max_new, drafts, beams, T) > self.full:
             return   # the router refuses what no pool of the rank could hold (a 400)
         sampling = Sampling(temperature=1.0, seed=seed) if kind == "seeded" else GREEDY
         r = Request(self.next_id, tokens, max_new, sampling=sampling, num_draft_tokens=drafts, beam_width=beams)

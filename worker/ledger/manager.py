@@ -493,6 +493,12 @@ class KVCacheManager:
         _require_request("blocks_to_completion_by_window", request)
         return self._coord.blocks_to_completion(request)
 
+    def could_hold(self, request: Request) -> bool:
+        """Whether every window's device pool could hold ``request`` at all, however much is free now (it may
+        then wait for blocks; otherwise it never fits)."""
+        return all(n <= device for n, (device, _) in zip(self.blocks_to_completion_by_window(request),
+                                                          self.window_block_counts))
+
     def context_limit(self) -> int | None:
         """The most tokens, prompt and output, one request can ever hold here: a full-attention window keeps
         every block, so its pool is the bound (never the sum over windows); ``None`` with sliding windows only."""

@@ -167,7 +167,7 @@ class BatchDriver:
         owners, tokens, starts = plan.inputs()
         logits = self.engine.forward(manager.pools.primary_pools, self._table(manager, plan), tokens, starts,
                                      [r.request.lora_id for r in owners])
-        self._commit(manager, plan, logits, sampler)
+        self._commit(manager, plan, [len(t) for t in tokens], logits, sampler)
         return StepRecord(sum(e - s for _, s, e in plan.chunks), sum(len(r) for d in plan.decodes for r in d.rows),
                           len(plan.chunks) + len(plan.decodes))
 
@@ -244,9 +244,10 @@ class BatchDriver:
                                            for b in range(len(d.rows))]
         return table[torch.tensor(rows, device=table.device)]
 
-    def _commit(self, manager: KVCacheManager, plan: StepPlan, logits: torch.Tensor, sampler: Sampler) -> None:
-        """Store finished prompts, pick tokens, check drafts and choose beams, from the step's ``logits``."""
-        lens = [e - s for _, s, e in plan.chunks] + [len(row) for d in plan.decodes for row in d.rows]
+    def _commit(self, manager: KVCacheManager, plan: StepPlan, lens: list[int], logits: torch.Tensor,
+                sampler: Sampler) -> None:
+        """Store finished prompts, pick tokens, check drafts and choose beams, from the step's ``logits`` (``lens``
+        tokens per input row, in ``StepPlan.inputs`` order)."""
         ends = torch.tensor(lens).cumsum(0).tolist()
         picking: list[tuple[RunningRequest, int]] = []
         for (r, _, end), row_end in zip(plan.chunks, ends):

@@ -350,10 +350,7 @@ class BatchScheduler:
     def _may_wait(self, mgr: KVCacheManager, request: Request) -> bool:
         """Whether a head that finds no blocks free for it, with nothing running, waits for blocks held outside
         the batch to come back: only when its windows' pools could hold it at all, and for ``STALL_S``."""
-        if any(n > device for n, (device, _) in zip(mgr.blocks_to_completion_by_window(request),
-                                                    mgr.window_block_counts)):
-            return False
-        return self._stall()
+        return mgr.could_hold(request) and self._stall()
 
     def _stall(self) -> bool:
         """Whether to wait on for blocks to come back: for ``STALL_S`` since the first wait of this stall."""

@@ -51,11 +51,7 @@ class RankServer:
         if not k or r.num_draft_tokens or r.beam_width > 1:
             return r
         drafting = dataclasses.replace(r, num_draft_tokens=k)
-        mgr = self.books.ledger()
-        most = mgr.blocks_to_completion_by_window(drafting)
-        if any(n > device for n, (device, _) in zip(most, mgr.window_block_counts)):
-            return r
-        return drafting
+        return drafting if self.books.ledger().could_hold(drafting) else r
 
     def _outcome(self, res: ServeResult, logits: bool, steps: tuple[int, int]) -> ServeOutcome:
         lp, beams = res.logprobs, res.beams

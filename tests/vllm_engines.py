@@ -227,13 +227,16 @@ class VllmServer:
     """One vLLM OpenAI server on 127.0.0.1, prefix caching and ZMQ KV events on, logging to ``log_path``."""
 
     def __init__(self, python: Path, model: Path, workdir: Path, *, block_size: int = 32,
-                 publisher_connects: bool = False, args: Sequence[str] = ()) -> None:
+                 publisher_connects: bool = False, args: Sequence[str] = (), cores: str | None = None) -> None:
         self.python = python
         self.model = model
         self.block_size = block_size
         self.publisher_connects = publisher_connects
         self.args = tuple(args)
         """More of the server's command-line options (tool calling, for one)."""
+        self.cores = cores
+        """``VLLM_CPU_OMP_THREADS_BIND`` (``"0"``, ``"0-3"``): the cores its OpenMP threads are bound to. Engines
+        sharing cores under the default binding stall requests that alternate between them for up to a second."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -285,6 +288,8 @@ class VllmServer:
         env = offline_env()
         # VLLM_HOST_IP: tcp://*:0 binds this address; VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache is served.
         env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
+        if self.cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {' '.join(self.command())}\n".encode())
             log.flush()
@@ -360,9 +365,17 @@ class EngineSpec:
     args: tuple[str, ...] = ()
 
 
+def own_cores(count: int) -> list[str | None]:
+    """The cores each of ``count`` engines is bound to: one of its own each while the machine has enough (engine i
+    on core i), else the default binding for all."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [str(cpus[i]) for i in range(count)] if 1 < count <= len(cpus) else [None] * count
+
+
 def start_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                   specs: Sequence[EngineSpec], timeout_s: float = START_TIMEOUT_S) -> list[VllmServer]:
-    """Start one engine per spec, all at once, on one tiny checkpoint; they are stopped when ``request`` ends.
+    """Start one engine per spec, all at once, on one tiny checkpoint, each on cores of its own (``own_cores``);
+    they are stopped when ``request`` ends.
 
     For a module- or session-scoped fixture (an engine takes minutes to start). Give the module a
     ``pytest.mark.timeout`` long enough for the start-up: pytest-timeout counts fixture set-up.
@@ -370,8 +383,9 @@ def start_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     python = vllm_python()
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), python)
     servers = [VllmServer(python, model, tmp_path_factory.mktemp(f"vllm-b{spec.block_size}"),
-                          block_size=spec.block_size, publisher_connects=spec.publisher_connects, args=spec.args)
-               for spec in specs]
+                          block_size=spec.block_size, publisher_connects=spec.publisher_connects, args=spec.args,
+                          cores=cores)
+               for spec, cores in zip(specs, own_cores(len(specs)))]
 
     def stop_all() -> None:
         for server in servers:

@@ -133,6 +133,10 @@ class ForeignFeed:
             self._maps.pop(rank, None)   # its cache is gone or our view diverged: the map is stale too
         return result
 
+    def next_seq(self, rank: int) -> int:
+        """The batch number expected next from foreign ``rank``."""
+        return self._index.next_seq(rank)
+
     def reset(self, rank: int, next_seq: int) -> None:
         """After a restart: a foreign engine has no snapshot for us, so start ``rank`` empty at ``next_seq``."""
         self._index.load_snapshot(rank, (), next_seq)

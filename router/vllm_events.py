@@ -14,6 +14,13 @@ bound ``tcp://*:0`` (it reports the address it got), so ``bind=None`` binds
 if the address is free here and connects if it is taken or not ours (vLLM
 holds it). The replay socket is always the engine's to bind.
 
+A batch can be lost with nothing after it to show the gap: a SUB that binds
+before the engine's PUB connects misses what the PUB sends before it learns of
+the subscription (ZMQ's slow joiner; measured: an engine's first batch), and a
+quiet engine sends nothing more. So a subscriber that has heard nothing for
+``quiet_check_s`` asks the replay socket for anything past the last batch it
+applied (an empty answer costs one round trip).
+
 A vLLM engine keeps no snapshot: when a replay cannot reach back, the rank is
 reset empty at the current number and fills again as the engine stores blocks.
 A batch the index cannot take is counted in the feed's ``Rejections`` (and
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -45,6 +53,7 @@ class SubscriberStats:
     batches_applied: int = 0
     batches_replayed: int = 0
     batches_malformed: int = 0
+    quiet_checks: int = 0
     resets: int = 0
 
 
@@ -57,13 +66,15 @@ class VllmEventSubscriber:
 
     def __init__(self, feed: ForeignFeed, rank: int, endpoint: str, replay_endpoint: str | None = None,
                  topic: str = "", lock: threading.Lock | None = None, replay_timeout_ms: int = 2000,
-                 bind: bool | None = False) -> None:
+                 bind: bool | None = False, quiet_check_s: float = 1.0) -> None:
         if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"endpoint must be a ZMQ address like tcp://host:port, got {endpoint!r}")
         self.feed, self.rank, self.endpoint = feed, rank, endpoint
         self.replay_endpoint = replay_endpoint
         self.lock = lock or threading.Lock()
         self.replay_timeout_ms = replay_timeout_ms
+        self.quiet_check_s = quiet_check_s
+        self._heard_at = time.monotonic()
         self.stats = SubscriberStats()
         self.topic = topic
         self._ctx = zmq.Context.instance()
@@ -125,7 +136,10 @@ class VllmEventSubscriber:
             self._resync.clear()
             self._start_over()
         if not self._sub.poll(timeout_ms):
+            if self.replay_endpoint and not self._paused and time.monotonic() - self._heard_at >= self.quiet_check_s:
+                self._check_quiet()
             return False
+        self._heard_at = time.monotonic()
         frames = self._sub.recv_multipart()
         if self._paused:
             return True
@@ -178,6 +192,17 @@ class VllmEventSubscriber:
                 self._apply(s, data)
                 self.stats.batches_replayed += 1
         self._apply(seq, payload)
+
+    def _check_quiet(self) -> None:
+        """Apply what the engine published past the last batch applied and never delivered (module docstring)."""
+        self._heard_at = time.monotonic()
+        self.stats.quiet_checks += 1
+        with self.lock:
+            start = self.feed.next_seq(self.rank)
+        for seq, data in self._replay(start) or ():
+            if seq >= start:
+                self._handle(seq, data)
+                self.stats.batches_replayed += 1
 
     def _start_over(self) -> None:
         """Empty the rank and apply whatever the engine's replay buffer still holds, from its oldest batch."""

@@ -48,6 +48,32 @@ def test_vllm_blocks_are_indexed_under_our_hashes_and_removed_by_theirs(engine):
     assert sub.stats.batches_applied == 3
 
 
+def test_a_lost_last_batch_is_fetched_once_the_engine_is_quiet():
+    """Nothing after it shows the gap (an engine's first batch, sent before the subscription took effect): the
+    subscriber asks the replay socket after ``quiet_check_s`` of silence."""
+    pub = FakeVllmPublisher()
+    index = WindowedIndex(tokens_per_block=T)
+    sub = VllmEventSubscriber(ForeignFeed(SequencedIndex(index)), VLLM_RANK, f"tcp://127.0.0.1:{pub.pub_port}",
+                              replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}", quiet_check_s=0.2)
+    try:
+        pub.wait_subscribed()
+        prompt = list(range(40, 48))
+        pub.publish([vllm_stored([0xC1, 0xC2], None, prompt)], send=False)   # lost, and the engine goes quiet
+        for _ in range(50):   # bounded: 50 polls of 50 ms, well past quiet_check_s
+            if matched(index, prompt + [0]) == 8:
+                break
+            assert not sub.poll_once(50)
+        assert matched(index, prompt + [0]) == 8
+        assert sub.stats.batches_replayed == 1 and sub.stats.quiet_checks >= 1
+        checks = sub.stats.quiet_checks
+        for _ in range(10):   # quiet again: checks find nothing new and apply nothing twice
+            sub.poll_once(50)
+        assert sub.stats.batches_replayed == 1 and sub.stats.quiet_checks > checks
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_a_lost_batch_is_replayed(engine):
     pub, index, sub = engine
     prompt = list(range(20, 32))

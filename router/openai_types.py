@@ -137,10 +137,17 @@ class _Item(_Body):
 
 
 class TextPart(_Item):
-    """A part of a message's content; only text parts are served (``router.chat.TEXT_PARTS``)."""
+    """A text part of reasoning or of a tool's output."""
 
     type: str
     text: str | None = None
+
+
+class MessagePart(_Item):
+    """A part of a message's content: only text is served, as in chats (``router.chat.TEXT_PARTS``)."""
+
+    type: Literal["text", "input_text", "output_text"]
+    text: str
 
 
 class InputMessage(_Item):
@@ -148,7 +155,7 @@ class InputMessage(_Item):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[MessagePart]
 
 
 class FunctionCallItem(_Item):
@@ -173,7 +180,7 @@ class FunctionCallOutputItem(_Item):
 
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
-    output: str | list[TextPart]
+    output: str | list[MessagePart]
 
 
 class ReasoningItem(_Item):

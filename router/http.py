@@ -361,7 +361,8 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
             before = None if body.previous_response_id is None else service.responses.get(body.previous_response_id)
             messages = input_messages(body.instructions, fields["input"], *(() if before is None else
                                                                            (before.messages, before.output)))
-            model, tokens = service.models.encode_chat(messages, body.model, template_fields(fields))
+            # vLLM tokenizes a Responses prompt with the special tokens (TokenizeParams' default), a chat without
+            model, tokens = service.models.encode_chat(messages, body.model, template_fields(fields), True)
             kept = body.store is not False
 
             def remember(answer: dict, rank: int) -> None:

@@ -18,7 +18,10 @@ rendering them with ``router.chat``:
   assistant turn's tool call (merged into the assistant turn before it), a
   call's output as a tool message, reasoning as an assistant's ``reasoning``.
 
-A stored response's messages are kept by the router (``router.response_store``).
+The rendered text is tokenized with the special tokens (vLLM's ``TokenizeParams``
+default, which a Responses request does not change; a chat is tokenized
+without). A stored response's messages are kept by the router
+(``router.response_store``).
 A model with its own reasoning format (gpt-oss, "harmony") is rendered
 otherwise by vLLM; its prompts are hashed as a chat here, which costs only
 the prediction.

@@ -348,7 +348,8 @@ def responses_tokens(service: RouterService, model: str, instructions: str | Non
     """What the router hashes for a Responses request (``previous``: the stored response it continues)."""
     fields = {"input": items, **({"instructions": instructions} if instructions else {})}
     before = () if previous is None else (previous.messages, previous.output)
-    return service.models.encode_chat(input_messages(instructions, items, *before), model, template_fields(fields))[1]
+    return service.models.encode_chat(input_messages(instructions, items, *before), model, template_fields(fields),
+                                      add_special_tokens=True)[1]
 
 
 def test_a_response_is_hashed_as_the_engine_renders_it_and_a_repeat_is_predicted_as_delivered(router, vllm_servers):

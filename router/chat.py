@@ -16,8 +16,9 @@ own, so it takes this plain one (``PLAIN_TEMPLATE``), each message as::
     <|assistant|>
 
 Message ``content`` is a string, a list of ``{"type": "text", "text": ...}``
-parts (joined by newlines, as vLLM joins them), or none (an assistant turn that
-only calls tools); other part types are refused.
+parts (``input_text`` and ``output_text`` too, the Responses API's names;
+joined by newlines, as vLLM joins them), or none (an assistant turn that only
+calls tools); other part types are refused.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+#: The content parts vLLM reads as text (``renderers/chat_utils.py``).
+TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 def message_text(content: str | Sequence[dict] | None) -> str:
@@ -36,7 +39,7 @@ def message_text(content: str | Sequence[dict] | None) -> str:
         return content
     parts = []
     for i, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise ValueError(f"messages content[{i}]: only text parts are served, got type {part.get('type')!r}")
         parts.append(part["text"])
     return "\n".join(parts)
@@ -44,14 +47,16 @@ def message_text(content: str | Sequence[dict] | None) -> str:
 
 def conversation(messages: Sequence[dict]) -> list[dict]:
     """The messages as vLLM hands them to a chat template: the role, the content as one string, an assistant's
-    tool calls with their ``arguments`` parsed into objects (empty or malformed: ``{}``), a tool message's
-    ``tool_call_id``, a ``name``; nothing else."""
+    tool calls with their ``arguments`` parsed into objects (empty or malformed: ``{}``) and its ``reasoning``
+    (also as ``reasoning_content``), a tool message's ``tool_call_id``, a ``name``; nothing else."""
     out = []
     for m in messages:
         msg = {"role": m["role"], "content": message_text(m.get("content"))}
         calls = m.get("tool_calls")
         if m["role"] == "assistant" and isinstance(calls, list) and calls:
             msg["tool_calls"] = [_parsed_arguments(c) for c in calls]
+        if m["role"] == "assistant" and isinstance(m.get("reasoning"), str):
+            msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
         if m["role"] == "tool" and "tool_call_id" in m:
             msg["tool_call_id"] = m["tool_call_id"]
         if isinstance(m.get("name"), str):

@@ -44,6 +44,9 @@ class RouterConfig:
     every slot is taken)."""
     queue_timeout_s: float = 60.0
     """How long a completion waits for a slot before the router answers 429."""
+    stored_responses: int = 10_000
+    """Responses (``POST /v1/responses``) the router remembers the rank and conversation of, for follow-ups
+    (``previous_response_id``); the oldest are forgotten first."""
 
     def __post_init__(self) -> None:
         if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
@@ -61,7 +64,7 @@ class RouterConfig:
             raise ValueError(f"vllm lists a server twice: {list(self.vllm)}")
         if not self.engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s!r}")
-        for name, least in (("max_inflight_completions", 1), ("max_queued_completions", 0)):
+        for name, least in (("max_inflight_completions", 1), ("max_queued_completions", 0), ("stored_responses", 0)):
             if type(getattr(self, name)) is not int or getattr(self, name) < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {getattr(self, name)!r}")
         if not self.queue_timeout_s > 0:

@@ -88,6 +88,9 @@ class Generation:
     """The client's other OpenAI fields, as sent (sampling parameters, stop strings, log-probabilities; a chat's
     ``messages``)."""
     chat: bool = False
+    responses: bool = False
+    """A Responses API request (a chat, answered in the Responses shape: ``router.responses``); ``fields`` is its
+    body as sent, ``n`` is 1."""
     cache_salt: str | None = None
     lora_id: int | None = None
     priority: int | None = None
@@ -128,7 +131,7 @@ class Engine(Protocol):
 
     def stream(self, job: Generation) -> Iterator[dict | str]:
         """``job``'s OpenAI chunks as they are made, a usage chunk (``choices`` empty) after the last, then
-        ``"[DONE]"``. Nothing is sent until the first is asked for; an engine lost before it raises
+        ``"[DONE]"`` (a Responses request: its events, ``response.completed`` last). Nothing is sent until the first is asked for; an engine lost before it raises
         ``RankDiedError`` there, one lost later raises it where the stream stops."""
         ...
 
@@ -140,6 +143,10 @@ class Engine(Protocol):
 
 
 def cached_tokens_of(answer: dict) -> int:
-    """``usage.prompt_tokens_details.cached_tokens`` of an answer or a usage chunk (0 when absent)."""
+    """``usage.prompt_tokens_details.cached_tokens`` of an answer or a usage chunk, or a Responses answer's (or its
+    ``response.completed`` event's) ``usage.input_tokens_details.cached_tokens``; 0 when absent."""
+    if isinstance(answer.get("response"), dict):
+        answer = answer["response"]
     usage = answer.get("usage") or {}
-    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)

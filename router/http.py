@@ -1,5 +1,5 @@
-"""The router's HTTP API (FastAPI): OpenAI's completions and chat completions, routing and probing, the event
-stream, metrics.
+"""The router's HTTP API (FastAPI): OpenAI's completions, chat completions and responses, routing and probing, the
+event stream, metrics.
 
 ``make_app(service, keys)`` builds the app over a ``RouterService``; ``HttpServer``
 runs it with uvicorn in a background thread (the router actor, the tests), on
@@ -23,6 +23,16 @@ block: the rank, the cached tokens the router predicted and the ones the
 engine delivered. Metrics live in a registry of the app's own, filled
 at scrape time from the service's counters (the service itself does not know
 Prometheus).
+
+A Responses request (``POST /v1/responses``) is rendered as the chat vLLM
+renders for it (``router.responses``), routed by that prefix, and goes to the
+engine as sent; its answer, or its named events streamed, comes back as the
+engine sent it, the ``kvledger`` block added to the answer (or to the
+``response.completed`` event's response). The router remembers which rank made
+each response (``router.response_store``): a follow-up naming it in
+``previous_response_id`` goes to that rank and no other, hashed with the whole
+conversation; an id it does not know, or whose rank is gone, is a 404 naming
+the field, as vLLM answers an id it does not hold.
 """
 from __future__ import annotations
 
@@ -49,8 +59,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvledger.router.engine import EngineRefusedError, cached_tokens_of
 from kvledger.router.models import UnknownModelError
-from kvledger.router.openai_types import ChatBody, CompletionBody, ProbeBody, RouteBody, sse
+from kvledger.router.openai_types import ChatBody, CompletionBody, ProbeBody, ResponsesBody, RouteBody, sse
 from kvledger.router.policies import NoLiveRankError, RankState
+from kvledger.router.response_store import StoredResponse, UnknownResponseError
+from kvledger.router.responses import input_messages, sse_event, template_fields
 from kvledger.router.served import CompletionResult, OverloadedError, Streamed
 from kvledger.router.service import RouterService
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
@@ -282,6 +294,10 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     async def _no_model(_: Request, exc: UnknownModelError) -> JSONResponse:
         return error_response(404, str(exc.args[0]), "model", "model_not_found")
 
+    @app.exception_handler(UnknownResponseError)
+    async def _no_response(_: Request, exc: UnknownResponseError) -> JSONResponse:
+        return error_response(404, str(exc.args[0]), "previous_response_id", "response_not_found")
+
     @app.exception_handler(OverloadedError)
     async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
         return error_response(429, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)})
@@ -336,6 +352,33 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         def run() -> Response:
             model, tokens = service.models.encode_chat(body.message_dicts(), body.model, body.passthrough())
             return generate(body, who, model, tokens, chat=True)
+        return await in_worker_thread(run)
+
+    @app.post("/v1/responses", responses=GENERATED)
+    async def responses(body: ResponsesBody, who: User) -> Response:
+        def run() -> Response:
+            fields = body.passthrough()
+            before = None if body.previous_response_id is None else service.responses.get(body.previous_response_id)
+            messages = input_messages(body.instructions, fields["input"], *(() if before is None else
+                                                                           (before.messages, before.output)))
+            # vLLM tokenizes a Responses prompt with the special tokens (TokenizeParams' default), a chat without
+            model, tokens = service.models.encode_chat(messages, body.model, template_fields(fields), True)
+            kept = body.store is not False
+
+            def remember(answer: dict, rank: int) -> None:
+                if kept and isinstance(answer.get("id"), str):
+                    service.responses.remember(answer["id"], StoredResponse(rank, messages,
+                                                                            list(answer.get("output") or [])))
+
+            args = {"max_tokens": body.max_new, "cache_salt": who.salt(body.cache_salt), "lora_id": body.lora_id,
+                    "priority": body.priority, "model": model, "fields": fields, "chat": True, "responses": True,
+                    "rank": None if before is None else before.rank}
+            if body.stream:
+                return StreamingResponse(_relay_responses(service.stream(tokens, **args), remember),
+                                         media_type="text/event-stream")
+            result = service.complete(tokens, **args)
+            remember(result.answer, result.rank)
+            return JSONResponse({**result.answer, "kvledger": _kvledger_block(result)})
         return await in_worker_thread(run)
 
     @app.post("/v1/route")
@@ -418,6 +461,17 @@ def _relay(events: Streamed, usage: bool) -> Iterator[bytes]:
                                                "cached_tokens": cached_tokens_of(ev)}})
             continue
         yield sse(ev)
+
+
+def _relay_responses(events: Streamed, remember: Callable[[dict, int], None]) -> Iterator[bytes]:
+    """A Responses stream's events as the engine sent them, named; the last (``response.completed``) carries the
+    ``kvledger`` block in its response, which is remembered for follow-ups."""
+    for rank, predicted, ev in events:
+        if isinstance(ev, dict) and ev.get("type") == "response.completed" and isinstance(ev.get("response"), dict):
+            remember(ev["response"], rank)
+            ev = {**ev, "response": {**ev["response"], "kvledger": {
+                "rank": rank, "predicted_cached_tokens": predicted, "cached_tokens": cached_tokens_of(ev)}}}
+        yield sse_event(ev)
 
 
 async def _follow(service: RouterService, request: Request, since: int, rank: int | None, limit: int | None,

@@ -95,13 +95,14 @@ class Models:
         m = self.get(model)
         return m.name, m.info.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def encode_chat(self, messages: Sequence[dict], model: str | None = None,
-                    fields: dict | None = None) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: Sequence[dict], model: str | None = None, fields: dict | None = None,
+                    add_special_tokens: bool = False) -> tuple[str, list[int]]:
         """The model a chat goes to and the tokens its engines will compute for it (``router.chat``), rendered
-        with the request's ``fields`` (its tools and template options)."""
+        with the request's ``fields`` (its tools and template options); the rendered text is tokenized with the
+        special tokens only when asked, as vLLM tokenizes a chat (a Responses request: with them)."""
         m = self.get(model)
         template = m.info.chat_template
         if template is None:
             raise ParamError("messages", f"model {m.name!r} has no chat template (none in its "
                                          "tokenizer_config.json or chat_template.jinja); use /v1/completions")
-        return m.name, m.info.tokenizer.encode(template.render(messages, fields), add_special_tokens=False)
+        return m.name, m.info.tokenizer.encode(template.render(messages, fields), add_special_tokens=add_special_tokens)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag
 
 
 MAX_TOKENS = 4096
@@ -128,6 +128,117 @@ class ChatBody(_Sampled):
     def message_dicts(self) -> list[dict]:
         """The messages as the client sent them (every field, ``content: null`` kept)."""
         return [m.model_dump(exclude_unset=True) for m in self.messages]
+
+
+class _Item(_Body):
+    """One item of a Responses ``input``: what the router renders checked, every other field kept as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Item):
+    """A text part of reasoning or of a tool's output."""
+
+    type: str
+    text: str | None = None
+
+
+class MessagePart(_Item):
+    """A part of a message's content: only text is served, as in chats (``router.chat.TEXT_PARTS``)."""
+
+    type: Literal["text", "input_text", "output_text"]
+    text: str
+
+
+class InputMessage(_Item):
+    """A message item (``type`` ``message``, or none, as OpenAI's short form sends it)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[MessagePart]
+
+
+class FunctionCallItem(_Item):
+    """A function call the model made, sent back as the conversation so far."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    namespace: str | None = None
+
+
+class CustomToolCallItem(_Item):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str = ""
+
+
+class FunctionCallOutputItem(_Item):
+    """A tool's result for a call (``custom_tool_call_output``: a custom tool's)."""
+
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str
+    output: str | list[MessagePart]
+
+
+class ReasoningItem(_Item):
+    type: Literal["reasoning"]
+    content: list[TextPart] | None = None
+    summary: list[TextPart] = []
+    encrypted_content: str | None = None
+
+
+ITEM_TYPES = ("message", "function_call", "custom_tool_call", "function_call_output", "custom_tool_call_output",
+              "reasoning")
+"""The input items vLLM 0.32 renders (``construct_chat_messages_with_tool_call``); any other type it refuses."""
+
+
+def _item_kind(item: object) -> str | None:
+    """An item's union member: its ``type`` (a message when it has none, as OpenAI's short form sends it), named
+    ``type=...`` so that an error's ``param`` is the item's own field (``router.http._param`` skips the name)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    return f"type={kind}" if kind in ITEM_TYPES else None
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("type=message")]
+                      | Annotated[FunctionCallItem, Tag("type=function_call")]
+                      | Annotated[CustomToolCallItem, Tag("type=custom_tool_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("type=function_call_output")]
+                      | Annotated[FunctionCallOutputItem, Tag("type=custom_tool_call_output")]
+                      | Annotated[ReasoningItem, Tag("type=reasoning")],
+                      Discriminator(_item_kind, custom_error_type="input_item_type",
+                                    custom_error_message=f"an input item is an object of a type of {ITEM_TYPES}")]
+
+
+class ResponsesBody(_Sampled):
+    """``POST /v1/responses``: what the router renders and routes by is checked (``router.responses``), every
+    other field goes to the engine as sent."""
+
+    input: str | list[InputItem]
+    """A user message's text, or the conversation as items (messages, function calls and their outputs)."""
+    instructions: str | None = None
+    """The system message (it does not carry over to a follow-up)."""
+    previous_response_id: Annotated[str, Field(min_length=1)] | None = None
+    """The response this one continues: served by the engine that keeps it."""
+    max_output_tokens: Count | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    store: StrictBool | None = None
+    """``false``: the response is not kept for a follow-up."""
+
+    @property
+    def max_new(self) -> int:
+        return 16 if self.max_output_tokens is None else self.max_output_tokens
+
+    def passthrough(self) -> dict:
+        """Every field as the client sent it but the router's own (``RESPONSES_ROUTER_FIELDS``)."""
+        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if k not in RESPONSES_ROUTER_FIELDS}
+
+
+#: What the router decides itself of a Responses request: the model, streaming and kvledger's own fields.
+RESPONSES_ROUTER_FIELDS = frozenset({"model", "stream", "cache_salt", "lora_id", "priority"})
 
 
 class RouteBody(_Body):

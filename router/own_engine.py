@@ -8,7 +8,10 @@ them, choice ``i`` seeded ``seed + i`` (so the choices differ but repeat). The s
 engine's ``Sampling`` (temperature, top-p, top-k, seed, log-probabilities;
 greedy at temperature 0); a parameter it cannot honour (the penalties) is
 refused by name rather than silently dropped, and stop strings cut the text
-here. The rank's own events come back with its reply and go to the router's
+here. A Responses request is served as a chat (its text messages: the router
+rendered them) and answered in the Responses shape (``router.responses``);
+what it asks beyond text (tools, function calls and their outputs, reasoning,
+a previous response: own ranks keep none) is refused by name. The rank's own events come back with its reply and go to the router's
 feed (``publish``) before the answer leaves, so the next prompt sharing the
 prefix is routed on what this one stored.
 """
@@ -21,6 +24,7 @@ from kvledger.router.engine import LEDGER, EngineInfo, Generated, Generation
 from kvledger.router.openai_types import (MAX_N, ParamError, answer_chunks, completion_answer, make_choice, stops_of,
                                           usage)
 from kvledger.router.rank_client import RankClient
+from kvledger.router.responses import response_answer, response_events, response_usage
 from kvledger.worker.wire.batches import PublishedBatch
 from kvledger.worker.wire.messages import RankInfo, RankLoad, ServeOutcome
 from kvledger.worker.wire.request import Request, RetentionConfig, Sampling, TokenRange
@@ -31,6 +35,9 @@ PENALTIES = ("presence_penalty", "frequency_penalty")
 #: servers take every field as sent.
 SERVED_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "logprobs", "top_logprobs", "ignore_eos",
                            "use_beam_search", "length_penalty", "messages", "user", "metadata", *PENALTIES})
+#: What a Responses request may carry to own ranks besides (``store``: own ranks keep no response, as vLLM without
+#: ``VLLM_ENABLE_RESPONSES_API_STORE``, which ignores it too).
+RESPONSES_FIELDS = frozenset({"input", "instructions", "max_output_tokens", "store"})
 
 
 class PlainChat:
@@ -114,10 +121,16 @@ class OwnEngine:
         beam search of ``n`` beams, each checked; ``ValueError`` names a bad one."""
         if not 1 <= job.n <= MAX_N:
             raise ParamError("n", f"n must be 1..{MAX_N}, got {job.n!r}")
-        unserved = sorted(k for k, v in job.fields.items() if k not in SERVED_FIELDS and v not in (None, 0, "", [], {}))
+        served = SERVED_FIELDS | RESPONSES_FIELDS if job.responses else SERVED_FIELDS
+        unserved = sorted(k for k, v in job.fields.items() if k not in served and v not in (None, 0, "", [], {}))
         if unserved:
             raise ParamError(unserved[0], f"{unserved[0]}: the {self._info.model} ranks do not serve it (vLLM "
                                           "servers take every field as sent)")
+        items = job.fields.get("input") if job.responses else None
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            if item.get("type", "message") != "message":
+                raise ParamError(f"input[{i}].type", f"input[{i}]: the {self._info.model} ranks serve text messages, "
+                                                     f"not {item['type']} items (vLLM servers serve them)")
         if job.fields.get("use_beam_search") and job.n > 1:
             return [beam_search_of(job, self._info.model)]
         return [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
@@ -142,6 +155,12 @@ class OwnEngine:
         decode, stops = self._info.tokenizer.decode, stops_of(job.fields)
         choices = [make_choice(o.output_tokens, o.logprobs, o.top_logprobs, stops, job.chat, decode)
                    for o in outcomes]
+        if job.responses:
+            answer = response_answer(f"resp_{job.request_id}", self._info.model, choices[0].text,
+                                     choices[0].finish_reason, response_usage(len(job.tokens),
+                                                                              len(first.output_tokens), cached),
+                                     job.fields)
+            return Generated(answer, first.output_tokens, cached, first.onboarded_blocks)
         answer = completion_answer(f"{'chatcmpl' if job.chat else 'cmpl'}-{job.request_id}", self._info.model,
                                    choices, usage(len(job.tokens), sum(len(o.output_tokens) for o in outcomes),
                                                   cached), job.chat)
@@ -165,8 +184,10 @@ class OwnEngine:
         return reply.outcomes
 
     def stream(self, job: Generation) -> Iterator[dict | str]:
-        """The answer computed whole, then streamed as OpenAI streams it: a chunk per choice, usage, ``[DONE]``."""
-        yield from answer_chunks(self.generate(job).answer, job.chat)
+        """The answer computed whole, then streamed as OpenAI streams it: a chunk per choice, usage, ``[DONE]`` (a
+        Responses request: its events)."""
+        answer = self.generate(job).answer
+        yield from response_events(answer) if job.responses else answer_chunks(answer, job.chat)
 
     def load(self) -> RankLoad:
         return self.client.load()

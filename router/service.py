@@ -39,6 +39,7 @@ from kvledger.router.rank_client import RankDiedError, RankSet
 from kvledger.router.replica_sync import DispatchEvent, DispatchKind, DispatchListener
 from kvledger.router.report import ClusterReport
 from kvledger.router.reporting import cluster_report
+from kvledger.router.response_store import ResponseStore, UnknownResponseError
 from kvledger.router.routing import RouteStep
 from kvledger.router.served import CompletionResult, OverloadedError, RankProbe, Streamed
 from kvledger.router.tally import Tally
@@ -67,6 +68,8 @@ class RouterService:
                                        config.queue_timeout_s)
         self.step = RouteStep(self.policy, self.account)
         self.tally = Tally()
+        self.responses = ResponseStore(config.stored_responses)
+        """The responses relayed, for follow-ups (``router.response_store``: the HTTP API keeps it)."""
         self._lock = threading.Lock()
         self._loads: dict[int, RankLoad] = {}
         self._loads_at = float("-inf")
@@ -179,10 +182,14 @@ class RouterService:
         self.tally.probed(time.perf_counter() - t0)
         return matches
 
-    def _decide(self, req: RouteRequest, model: Model, exclude: frozenset[int], record: bool) -> RouteDecision:
+    def _decide(self, req: RouteRequest, model: Model, exclude: frozenset[int], record: bool,
+                only: int | None = None) -> RouteDecision:
         serving = set(model.ranks)
         engines = self.engines.live_engines()
-        live = [r for r in engines if r not in exclude and r in serving]
+        live = [r for r in engines if r not in exclude and r in serving and only in (None, r)]
+        if not live and only is not None:
+            raise UnknownResponseError(f"the previous response was kept by rank {only}, which is gone (it died or "
+                                       "left), and its responses with it; start the conversation again")
         if not live:
             raise NoLiveRankError(f"no live rank serves {model.name}"
                                   + (f" (ranks {sorted(exclude)} died)" if exclude else ""))
@@ -199,41 +206,46 @@ class RouterService:
 
     def complete(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                  lora_id: int | None = None, priority: int | None = None, model: str | None = None,
-                 fields: dict | None = None, chat: bool = False, n: int = 1) -> CompletionResult:
+                 fields: dict | None = None, chat: bool = False, n: int = 1, responses: bool = False,
+                 rank: int | None = None) -> CompletionResult:
         """Route, migrate a prefix if the decision says so, serve; decide again if the engine is lost.
 
         ``fields``: the client's other OpenAI fields (sampling, stop strings, log-probabilities; with ``chat``,
-        its ``messages``), which the engine honours or refuses by name. ``n`` choices are one generation,
-        routed once. Bad input raises ``ValueError``/``TypeError`` before anything is sent;
+        its ``messages``; with ``responses``, a Responses request's body), which the engine honours or refuses by
+        name. ``n`` choices are one generation, routed once. ``rank``: the one rank that may serve it (the
+        engine keeping the response it continues; ``UnknownResponseError`` once that rank is gone). Bad input raises ``ValueError``/``TypeError`` before anything is sent;
         ``UnknownModelError`` for a model nobody serves; ``NoLiveRankError`` when no engine is left to serve it;
         ``EngineRefusedError`` when the engine refuses it; ``OverloadedError`` (nothing sent, or nothing kept)
         when there is no room for it now: the router's queue is full (``RouterConfig.max_queued_completions``),
         or the engine's.
         """
-        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
+        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
+                                responses)
         held = self._hold()
         try:
-            return self._serve(req, job, m, None)
+            return self._serve(req, job, m, None, rank)
         finally:
             held.release()
 
     def stream(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                lora_id: int | None = None, priority: int | None = None, model: str | None = None,
-               fields: dict | None = None, chat: bool = False, n: int = 1) -> Streamed:
+               fields: dict | None = None, chat: bool = False, n: int = 1, responses: bool = False,
+               rank: int | None = None) -> Streamed:
         """``complete``, streamed: it returns once the engine's first chunk is in (an engine lost before that is
         decided around); one lost later ends the stream with an error chunk. The admission slot is held until
         the stream ends."""
-        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
+        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
+                                responses)
         held = self._hold()
         try:
-            return self._serve(req, job, m, held)
+            return self._serve(req, job, m, held, rank)
         except BaseException:
             held.release()
             raise
 
     def _job(self, prompt_tokens: Sequence[int], max_tokens: int, cache_salt: str | None, lora_id: int | None,
-             priority: int | None, model: str | None, fields: dict | None, chat: bool,
-             n: int) -> tuple[Model, RouteRequest, Generation]:
+             priority: int | None, model: str | None, fields: dict | None, chat: bool, n: int,
+             responses: bool = False) -> tuple[Model, RouteRequest, Generation]:
         """The request's model (looked up once for all its routing) and the request checked against that model's
         engines before anything is sent."""
         if type(max_tokens) is not int or max_tokens < 0:
@@ -244,7 +256,7 @@ class RouterService:
         req = RouteRequest.of(prompt_tokens, self.config.tokens_per_block, max_tokens=max_tokens,
                               cache_salt=cache_salt, lora_id=lora_id)
         job = Generation(next(self._request_ids), list(req.tokens), max_tokens, n, dict(fields or {}), chat,
-                         cache_salt, lora_id, priority)
+                         responses, cache_salt, lora_id, priority)
         m.check(job)
         return m, req, job
 
@@ -256,13 +268,14 @@ class RouterService:
             self.tally.shed()
             raise OverloadedError(f"{e}; retry shortly") from e
 
-    def _serve(self, req: RouteRequest, job: Generation, model: Model,
-               stream: Held | None) -> CompletionResult | Streamed:
-        """The one retry loop: decide, migrate, dispatch; whole, or (holding ``stream``'s slot) streamed."""
+    def _serve(self, req: RouteRequest, job: Generation, model: Model, stream: Held | None,
+               only: int | None = None) -> CompletionResult | Streamed:
+        """The one retry loop: decide (on rank ``only`` alone when given), migrate, dispatch; whole, or (holding
+        ``stream``'s slot) streamed."""
         died: set[int] = set()
         try:
             while True:
-                decision, migrated = self._place(req, model, died)
+                decision, migrated = self._place(req, model, died, only)
                 if decision is None:
                     continue
                 rank = decision.rank
@@ -308,8 +321,8 @@ class RouterService:
         cached = 0
         try:
             for ev in itertools.chain((first,), chunks):
-                if isinstance(ev, dict) and ev.get("usage"):
-                    cached = cached_tokens_of(ev)
+                if isinstance(ev, dict):
+                    cached = cached_tokens_of(ev) or cached   # the usage chunk, or a Responses stream's last event
                 yield rank, predicted, ev
         except RankDiedError as e:
             self._lost(e)
@@ -320,11 +333,12 @@ class RouterService:
             held.release()
         self.tally.served(rank, prompt_len, predicted, cached, migrated)
 
-    def _place(self, req: RouteRequest, model: Model, died: set[int]) -> tuple[RouteDecision | None, int]:
+    def _place(self, req: RouteRequest, model: Model, died: set[int],
+               only: int | None) -> tuple[RouteDecision | None, int]:
         """Decide, and migrate the prefix if the decision says so; ``(None, 0)``: a rank died, decide again."""
         if len(died) > self.config.max_retries:
             raise NoLiveRankError(f"ranks {sorted(died)} died serving the request")
-        decision = self._decide(req, model, frozenset(died), record=True)
+        decision = self._decide(req, model, frozenset(died), record=True, only=only)
         if decision.migrate_from is None:
             return decision, 0
         try:

@@ -3,7 +3,8 @@
 The server does its own sampling, stop strings and ``n`` choices, so a
 generation goes to it as the client's fields plus the prompt as the token ids
 the router hashed (a chat keeps its messages: the server renders them as the
-router did), asking for the output's token ids too. Its answer comes back as
+router did), asking for the output's token ids too. A Responses request goes
+as the client sent it, the model and the salt apart (the server renders it). Its answer comes back as
 it is. A server that does not answer is
 lost (``RankDiedError``); one that answers with an error refused the request
 (``EngineRefusedError``), with its status and body. Its events reach the index
@@ -17,8 +18,8 @@ from kvledger.router.chat import ChatTemplate
 from kvledger.router.engine import EngineInfo, EngineRefusedError, Generated, Generation, cached_tokens_of
 from kvledger.router.prompt_tokenizer import PromptTokenizer, engine_tokenizer
 from kvledger.router.rank_client import RankDiedError
-from kvledger.router.vllm_server import (CHAT_COMPLETIONS, COMPLETIONS, EngineUnreachableError, VllmServer,
-                                         VllmServerInfo)
+from kvledger.router.vllm_server import (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, EngineUnreachableError,
+                                         VllmServer, VllmServerInfo)
 from kvledger.worker.wire.messages import RankLoad
 
 
@@ -67,13 +68,17 @@ class VllmEngine:
         """The server checks its own input."""
 
     def _body(self, job: Generation) -> tuple[str, dict]:
-        body = {**job.fields, "model": self._info.model, "max_tokens": job.max_tokens, "n": job.n,
-                "return_token_ids": True}
+        if job.responses:
+            path, body = RESPONSES, {**job.fields, "model": self._info.model}
+        else:
+            path = CHAT_COMPLETIONS if job.chat else COMPLETIONS
+            body = {**job.fields, "model": self._info.model, "max_tokens": job.max_tokens, "n": job.n,
+                    "return_token_ids": True}
         if not job.chat:
             body["prompt"] = list(job.tokens)
         if job.cache_salt is not None:
             body["cache_salt"] = job.cache_salt
-        return CHAT_COMPLETIONS if job.chat else COMPLETIONS, body
+        return path, body
 
     def generate(self, job: Generation) -> Generated:
         path, body = self._body(job)
@@ -87,9 +92,11 @@ class VllmEngine:
         return Generated(answer, list(first.get("token_ids") or []), cached_tokens_of(answer))
 
     def stream(self, job: Generation) -> Iterator[dict | str]:
-        """The server's own chunks, a usage chunk asked for (the router counts what it delivered)."""
+        """The server's own chunks, a usage chunk asked for (the router counts what it delivered; a Responses
+        stream's last event carries its usage)."""
         path, body = self._body(job)
-        events = self.server.stream({**body, "stream": True, "stream_options": {"include_usage": True}}, path)
+        usage = {} if job.responses else {"stream_options": {"include_usage": True}}
+        events = self.server.stream({**body, "stream": True, **usage}, path)
         try:
             for ev in events:
                 if isinstance(ev, dict) and "status" in ev and "error" in ev:

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 
 
 class EngineUnreachableError(RuntimeError):
@@ -169,12 +170,13 @@ class VllmServer:
         return list(r.json()["tokens"])
 
     def complete(self, body: dict, path: str = COMPLETIONS) -> tuple[int, dict]:
-        """``POST path`` (completions or chat completions): the status and the server's JSON answer."""
+        """``POST path`` (completions, chat completions or responses): the status and the server's JSON answer."""
         r = self._post(path, body, self._completion_timeout)
         return r.status_code, r.json()
 
     def stream(self, body: dict, path: str = COMPLETIONS) -> Iterator[dict | str]:
-        """``POST path`` with ``stream``: each server-sent event's JSON, then ``"[DONE]"``.
+        """``POST path`` with ``stream``: each server-sent event's JSON, then ``"[DONE]"`` (a Responses stream has
+        none: its events are named by the ``type`` each carries, so the ``event:`` lines are left out here).
 
         ``EngineUnreachableError`` if the server cannot be reached before its first event.
         """

@@ -286,8 +286,10 @@ class VllmServer:
         if not self.publisher_connects:
             self._events_endpoint = None   # a restarted engine binds another port
         env = offline_env()
-        # VLLM_HOST_IP: tcp://*:0 binds this address; VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache is served.
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
+        # VLLM_HOST_IP: tcp://*:0 binds this address; VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache is served;
+        # VLLM_ENABLE_RESPONSES_API_STORE: responses are kept (in memory) for a previous_response_id.
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1",
+                   VLLM_ENABLE_RESPONSES_API_STORE="1")
         if self.cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores
         with open(self.log_path, "ab") as log:

@@ -278,3 +278,67 @@ def test_a_router_rebuilding_its_index_answers_503_with_retry_after(router):
             assert client.get("/health").status_code == 200
     finally:
         server.stop()
+
+
+def test_a_response_from_own_ranks_in_the_responses_shape_whole_and_streamed(router):
+    """Own ranks serve a text input: the answer in the Responses shape, a repeat routed to its prefix, and the
+    same answer streamed as named events ending with ``response.completed`` and its kvledger block."""
+    _, _, client = router
+    body = {"input": prefix("resp"), "instructions": "Be terse.", "max_output_tokens": 3}
+    first = client.post("/v1/responses", json=body)
+    assert first.status_code == 200, first.text
+    a = first.json()
+    assert a["object"] == "response" and a["status"] == "incomplete" and a["output"][0]["type"] == "message"
+    again = client.post("/v1/responses", json=body).json()
+    kv = again["kvledger"]
+    n = again["usage"]["input_tokens"]
+    assert kv["rank"] == a["kvledger"]["rank"] and kv["predicted_cached_tokens"] == (n - 1) // T * T > 0
+    assert kv["cached_tokens"] == again["usage"]["input_tokens_details"]["cached_tokens"] == n - 1, \
+        "the whole prompt but its last token: the ranks reuse part of a block too"
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = [b.split("\n") for b in r.read().decode().split("\n\n") if b.strip()]
+    events = [json.loads(data.removeprefix("data: ")) for _, data in blocks]
+    assert [name for name, _ in blocks] == [f"event: {e['type']}" for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == \
+        a["output"][0]["content"][0]["text"]
+    done = events[-1]
+    assert done["type"] == "response.completed" and done["response"]["kvledger"]["cached_tokens"] == \
+        done["response"]["usage"]["input_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("body, status, param, needle", [
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools", "ranks do not serve it"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, 400, "input[0].type",
+     "serve text messages"),
+    ({"input": [{"type": "function_call", "call_id": "c"}]}, 400, "input[0].name", "Field required"),
+    ({"input": [{"type": "image_generation_call"}]}, 400, "input[0]", "an input item is an object of a type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input[0].content[0].type", "'text', 'input_text' or 'output_text'"),
+    ({"input": "x", "max_output_tokens": -1}, 400, "max_output_tokens", "greater than or equal to 0"),
+    ({"input": "x", "previous_response_id": "resp_never"}, 404, "previous_response_id",
+     "Response with id 'resp_never' not found."),
+    ({"instructions": "x"}, 400, "input", "Field required"),
+])
+def test_bad_responses_get_their_status_naming_the_field_and_change_nothing(router, body, status, param, needle):
+    service, _, client = router
+    before = service.report(refresh=False).to_dict()
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert service.report(refresh=False).to_dict()["router"] == before["router"]
+
+
+def test_a_follow_up_to_an_own_ranks_response_is_refused_by_name(router):
+    """Own ranks keep no responses (as vLLM without its store): the follow-up is bound to the rank that answered,
+    which refuses ``previous_response_id``; a response asked not to be stored is not known at all."""
+    service, _, client = router
+    first = client.post("/v1/responses", json={"input": "w: hi", "max_output_tokens": 1}).json()
+    assert service.responses.get(first["id"]).rank == first["kvledger"]["rank"]
+    r = client.post("/v1/responses", json={"input": "w: more", "previous_response_id": first["id"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+    unkept = client.post("/v1/responses", json={"input": "w: hi", "max_output_tokens": 1, "store": False}).json()
+    r = client.post("/v1/responses", json={"input": "w: more", "previous_response_id": unkept["id"]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text

@@ -1,6 +1,8 @@
 """Real vLLM servers behind the router, beside kvledger's own ranks: discovery, one index of two block sizes,
 routing by prefix, proxied answers, predicted against delivered cached tokens, an engine that dies, and an
-agent's turns (tool calls, their results, a JSON schema, streamed tool-call deltas) with the ``openai`` SDK.
+agent's turns (tool calls, their results, a JSON schema, streamed tool-call deltas) and the Responses API (hashed as
+the engine renders it, streamed events, a follow-up bound to its engine, a function call's round trip) with the
+``openai`` SDK.
 
 Two engines are started once for the module (block size 32 with a publisher that binds, 64 with one that
 connects, so the router binds); the router runs in this process over two in-process ranks of its own and the
@@ -24,6 +26,7 @@ from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
 from kvledger.router.http import HttpServer, make_app
 from kvledger.router.prompt_tokenizer import HfTokenizer
+from kvledger.router.responses import input_messages, template_fields
 from kvledger.router.engine import Generation
 from kvledger.router.service import RouterService
 from kvledger.worker.engine.reference import MODEL_NAME as OWN_MODEL
@@ -334,3 +337,108 @@ def test_tool_call_deltas_stream_through_chunk_by_chunk(router, vllm_servers):
     assert len(deltas) > 1 and deltas[0].function.name == "get_weather", "the call arrives in pieces, as sent"
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert arguments.lstrip().startswith("{") and json.dumps(arguments)
+
+
+# --- the Responses API: rendered, routed and relayed as vLLM serves it ---------------------------------------
+
+INSTRUCTIONS = "You answer travel questions in one short sentence, and you never ask anything back. " * 3
+
+
+def responses_tokens(service: RouterService, model: str, instructions: str | None, items, previous=None) -> list[int]:
+    """What the router hashes for a Responses request (``previous``: the stored response it continues)."""
+    fields = {"input": items, **({"instructions": instructions} if instructions else {})}
+    before = () if previous is None else (previous.messages, previous.output)
+    return service.models.encode_chat(input_messages(instructions, items, *before), model, template_fields(fields),
+                                      add_special_tokens=True)[1]
+
+
+def test_a_response_is_hashed_as_the_engine_renders_it_and_a_repeat_is_predicted_as_delivered(router, vllm_servers):
+    service, client = router
+    sdk, model = sdk_of(client), vllm_servers[0].model_name
+    question = "Which city should I visit first, Paris or Lyon?"
+    tokens = responses_tokens(service, model, INSTRUCTIONS, question)
+    first = sdk.responses.create(model=model, instructions=INSTRUCTIONS, input=question, max_output_tokens=4,
+                                 temperature=0)
+    kv = first.model_extra["kvledger"]
+    assert first.object == "response" and first.output and first.usage.input_tokens == len(tokens), \
+        "rendered as the engine renders it: its own count of the prompt"
+    rank, bs = kv["rank"], service.feed.index.block_size(kv["rank"])
+    held = (len(tokens) - 1) // bs * bs
+    wait_indexed(service, rank, tokens, held)
+    again = sdk.responses.create(model=model, instructions=INSTRUCTIONS, input=question, max_output_tokens=4,
+                                 temperature=0)
+    kv = again.model_extra["kvledger"]
+    assert kv["rank"] == rank, "the repeat goes where its prefix is"
+    assert kv["predicted_cached_tokens"] == kv["cached_tokens"] == again.usage.input_tokens_details.cached_tokens
+    assert kv["cached_tokens"] == held > 0
+    assert again.output_text == first.output_text, "greedy: the same answer, relayed as the engine made it"
+
+
+def test_a_streamed_response_relays_the_engines_named_events_and_ends_with_the_kvledger_block(router, vllm_servers):
+    _, client = router
+    model = vllm_servers[0].model_name
+    body = {"model": model, "input": "Name one museum in Paris, please, and nothing else at all.",
+            "max_output_tokens": 5, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in r.read().decode().split("\n\n") if b.strip()]
+    events = []
+    for b in blocks:
+        name, data = b.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert name == f"event: {events[-1]['type']}", "each event named, as vLLM names it"
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+    done = events[-1]["response"]
+    assert done["kvledger"]["rank"] in (1000, 1001) and done["kvledger"]["cached_tokens"] == \
+        done["usage"]["input_tokens_details"]["cached_tokens"]
+    sdk_events = list(sdk_of(client).responses.create(**{k: v for k, v in body.items() if k != "stream"},
+                                                      stream=True))
+    assert sdk_events[-1].type == "response.completed" and sdk_events[-1].response.output_text, "the SDK reads it"
+
+
+def test_a_follow_up_goes_to_the_engine_keeping_the_previous_response(router, vllm_servers):
+    service, client = router
+    sdk, model = sdk_of(client), vllm_servers[0].model_name
+    question = "Plan a day in Lyon for me: the old town first, then the river, then dinner somewhere quiet. " * 2
+    first = sdk.responses.create(model=model, instructions=INSTRUCTIONS, input=question, max_output_tokens=6,
+                                 temperature=0)
+    rank = first.model_extra["kvledger"]["rank"]
+    stored = service.responses.get(first.id)
+    assert stored.rank == rank
+    follow = "And what about the evening?"
+    tokens = responses_tokens(service, model, None, follow, stored)
+    bs = service.feed.index.block_size(rank)
+    for turn in range(2):   # the repeat finds the conversation's blocks where they are: predicted as delivered
+        second = sdk.responses.create(model=model, previous_response_id=first.id, input=follow,
+                                      max_output_tokens=4, temperature=0)
+        kv = second.model_extra["kvledger"]
+        assert kv["rank"] == rank, "only that engine keeps the previous response"
+        assert second.usage.input_tokens == len(tokens), "the whole conversation hashed as the engine renders it"
+        if turn:
+            assert kv["predicted_cached_tokens"] == kv["cached_tokens"] == (len(tokens) - 1) // bs * bs > 0
+        wait_indexed(service, rank, tokens, (len(tokens) - 1) // bs * bs)
+    with pytest.raises(openai.NotFoundError) as lost:
+        sdk.responses.create(model=model, previous_response_id="resp_never_made", input=follow, max_output_tokens=2)
+    assert lost.value.body["param"] == "previous_response_id"
+
+
+def test_a_function_call_round_trip_through_the_responses_api(router, vllm_servers):
+    service, client = router
+    sdk, model = sdk_of(client), vllm_servers[0].model_name
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    asked = [{"role": "user", "content": QUESTION}]
+    called = sdk.responses.create(model=model, input=asked, tools=tools, max_output_tokens=24, temperature=0,
+                                  tool_choice={"type": "function", "name": "get_weather"})
+    calls = [o for o in called.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id, called.output
+    items = [*asked, calls[0].model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 degrees"}]
+    tokens = responses_tokens(service, model, None, items)
+    rank = called.model_extra["kvledger"]["rank"]
+    bs = service.feed.index.block_size(rank)
+    wait_indexed(service, rank, tokens, (called.usage.input_tokens - 1) // bs * bs)
+    answered = sdk.responses.create(model=model, input=items, tools=tools, max_output_tokens=8, temperature=0)
+    kv = answered.model_extra["kvledger"]
+    assert answered.usage.input_tokens == len(tokens), "the call and its output hashed as the engine renders them"
+    assert kv["rank"] == rank and kv["predicted_cached_tokens"] == kv["cached_tokens"] > 0

@@ -307,7 +307,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         if chat:
             fields["messages"] = body.message_dicts()
         args = dict(max_tokens=body.max_new, cache_salt=who.salt(body.cache_salt), lora_id=body.lora_id,
-                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n)
+                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n, caller=who)
         if body.stream:
             return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
                                      media_type="text/event-stream")

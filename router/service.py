@@ -432,7 +432,7 @@ class RouterService:
             loads = dict(self._loads)
             inflight = {r: self.account.inflight(r) for r in live}
         return cluster_report(self.policy.name, self.config.tokens_per_block, live, self.engines, self.feed,
-                              loads, inflight, self.tally)
+                              loads, inflight, self.tally, self.admission.tenants())
 
     def close(self) -> None:
         self.feed.close()

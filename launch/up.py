@@ -322,6 +322,10 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
         ratio = "-" if t["delivered_ratio"] is None else f"{t['delivered_ratio']:.2f}"
         out(f"router: {t['completions']} completions, cached tokens delivered/predicted {ratio}, "
             f"{t['events_rejected']} events rejected")
+        for t in view["tenants"]:
+            wait = "-" if t["mean_queue_s"] is None else f"{t['mean_queue_s']:.3f} s"
+            out(f"tenant {t['tenant']}: weight {t['weight']:g}, {t['running']} running, {t['queued']} queued, "
+                f"{t['served']} served ({t['token_share']:.0%} of tokens), {t['shed']} shed, mean wait {wait}")
         for f in view["foreign"]:
             out(f"vLLM rank {f['rank']}: {f['endpoint']} {'live' if f['live'] else 'DOWN'}, "
                 f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed")

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
+from kvledger.router.admission import DISCIPLINES
 from kvledger.router.policies import DEFAULT_POLICY, RoutingPolicy, make_policy
 
 
@@ -40,13 +42,17 @@ class RouterConfig:
     all router replicas) at most a rank's ``max_num_seqs + max_queued_requests``, a rank's other calls never
     wait behind serve calls for one of its threads."""
     max_queued_completions: int = 1024
-    """Completions waiting for a slot, first come first served; past it the router answers 429 (0: at once, when
-    every slot is taken)."""
+    """Completions waiting for a slot, in the order ``admission`` gives them; past it the router answers 429 (0:
+    at once, when every slot is taken)."""
     queue_timeout_s: float = 60.0
     """How long a completion waits for a slot before the router answers 429."""
     stored_responses: int = 10_000
     """Responses (``POST /v1/responses``) the router remembers the rank and conversation of, for follow-ups
     (``previous_response_id``); the oldest are forgotten first."""
+    admission: Literal["fair", "fifo"] = "fair"
+    """Which waiting completion a freed slot goes to: ``fair``, the tenant furthest below its weighted share
+    (start-time fair queueing, with the ``--api-keys`` file's per-tenant limits); ``fifo``, the first to arrive
+    (tenant limits not applied). See ``router.admission``."""
 
     def __post_init__(self) -> None:
         if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
@@ -69,6 +75,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be an int >= {least}, got {getattr(self, name)!r}")
         if not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
+        if self.admission not in DISCIPLINES:
+            raise ValueError(f"admission must be one of {', '.join(DISCIPLINES)}, got {self.admission!r}")
         self.make_policy()   # an unknown policy or option fails here, naming it
 
     def make_policy(self) -> RoutingPolicy:

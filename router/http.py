@@ -57,6 +57,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvledger.router.admission import TenantAdmission
 from kvledger.router.engine import EngineRefusedError, cached_tokens_of
 from kvledger.router.models import UnknownModelError
 from kvledger.router.openai_types import ChatBody, CompletionBody, ProbeBody, ResponsesBody, RouteBody, sse
@@ -65,6 +66,7 @@ from kvledger.router.response_store import StoredResponse, UnknownResponseError
 from kvledger.router.responses import input_messages, sse_event, template_fields
 from kvledger.router.served import CompletionResult, OverloadedError, Streamed
 from kvledger.router.service import RouterService
+from kvledger.router.stats import Histogram
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
 
 logger = logging.getLogger(__name__)
@@ -181,15 +183,45 @@ class _ServiceCollector:
                                 value=queued)
         yield GaugeMetricFamily("kvledger_router_running_completions", "Completions holding a slot on the ranks",
                                 value=running)
+        yield from _tenant_families(svc.admission.tenants())
         h = svc.tally.probe_latency()
-        yield HistogramMetricFamily("kvledger_probe_latency_seconds", "Index probe latency",
-                                    buckets=[("+Inf" if math.isinf(le) else repr(le), n) for le, n in h.cumulative()],
+        yield HistogramMetricFamily("kvledger_probe_latency_seconds", "Index probe latency", buckets=_buckets(h),
                                     sum_value=h.sum)
         g = svc.tally.cached_gap()
         yield HistogramMetricFamily("kvledger_cached_tokens_gap", "Delivered minus predicted cached tokens per "
                                     "completion (negative: the index promised more than the rank reused)",
-                                    buckets=[("+Inf" if math.isinf(le) else repr(float(le)), n)
-                                             for le, n in g.cumulative()], sum_value=g.sum)
+                                    buckets=_buckets(g), sum_value=g.sum)
+
+
+def _tenant_families(tenants: list[TenantAdmission]) -> Iterator[Metric]:
+    """Per tenant: its 429s, its queueing times, what runs and waits, what it was let onto the ranks (its share:
+    the rate of ``kvledger_tenant_served_tokens`` over the sum). Metrics want an admin key, so only admins see
+    the tenants' names."""
+    shed = CounterMetricFamily("kvledger_tenant_shed_completions", "Completions refused with 429, per tenant",
+                               labels=["tenant"])
+    served = CounterMetricFamily("kvledger_tenant_served_completions", "Completions let onto the ranks, per tenant",
+                                 labels=["tenant"])
+    tokens = CounterMetricFamily("kvledger_tenant_served_tokens", "Cost (prompt tokens + n * max_tokens) of the "
+                                 "completions let onto the ranks, per tenant", labels=["tenant"])
+    running = GaugeMetricFamily("kvledger_tenant_running_completions", "Completions holding a slot, per tenant",
+                                labels=["tenant"])
+    queued = GaugeMetricFamily("kvledger_tenant_queued_completions", "Completions waiting for a slot, per tenant",
+                               labels=["tenant"])
+    waited = HistogramMetricFamily("kvledger_tenant_queue_seconds", "Time from arrival to a slot, per tenant",
+                                   labels=["tenant"])
+    for t in tenants:
+        shed.add_metric([t.tenant], t.shed)
+        served.add_metric([t.tenant], t.served)
+        tokens.add_metric([t.tenant], t.served_tokens)
+        running.add_metric([t.tenant], t.running)
+        queued.add_metric([t.tenant], t.queued)
+        waited.add_metric([t.tenant], _buckets(t.queue_seconds), t.queue_seconds.sum)
+    yield from (shed, served, tokens, running, queued, waited)
+
+
+def _buckets(h: Histogram) -> list[tuple[str, int]]:
+    """A histogram's cumulative buckets as Prometheus names their bounds."""
+    return [("+Inf" if math.isinf(le) else repr(float(le)), n) for le, n in h.cumulative()]
 
 
 class _StartingGate:
@@ -323,7 +355,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         if chat:
             fields["messages"] = body.message_dicts()
         args = dict(max_tokens=body.max_new, cache_salt=who.salt(body.cache_salt), lora_id=body.lora_id,
-                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n)
+                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n, caller=who)
         if body.stream:
             return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
                                      media_type="text/event-stream")
@@ -372,7 +404,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
 
             args = {"max_tokens": body.max_new, "cache_salt": who.salt(body.cache_salt), "lora_id": body.lora_id,
                     "priority": body.priority, "model": model, "fields": fields, "chat": True, "responses": True,
-                    "rank": None if before is None else before.rank}
+                    "rank": None if before is None else before.rank, "caller": who}
             if body.stream:
                 return StreamingResponse(_relay_responses(service.stream(tokens, **args), remember),
                                          media_type="text/event-stream")

@@ -89,12 +89,35 @@ class RouterTotals:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantReport:
+    """One tenant at the router's admission (``router.admission``): its settings, what waits and runs, its share."""
+
+    tenant: str
+    weight: float
+    max_inflight: int | None
+    tokens_per_s: float | None
+    running: int
+    queued: int
+    shed: int
+    """Its completions refused with a 429."""
+    served: int
+    """Its completions let onto the ranks."""
+    served_tokens: int
+    """Their cost (prompt tokens + ``n * max_tokens``)."""
+    token_share: float
+    """``served_tokens`` over every tenant's (0.0 before any)."""
+    mean_queue_s: float | None
+    """Mean time from arrival to a slot (``None`` before any)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterReport:
     policy: str
     tokens_per_block: int
     ranks: list[RankReport]
     foreign: list[ForeignReport]
     router: RouterTotals
+    tenants: list[TenantReport]
 
     def to_dict(self) -> dict:
         """JSON-ready, nested the way the dataclasses are."""
@@ -106,4 +129,4 @@ class ClusterReport:
         ranks = [RankReport(**{**r, "blocks": None if r["blocks"] is None else
                                {tier: TierBlocks(**b) for tier, b in r["blocks"].items()}}) for r in d["ranks"]]
         return cls(d["policy"], d["tokens_per_block"], ranks, [ForeignReport(**f) for f in d["foreign"]],
-                   RouterTotals(**d["router"]))
+                   RouterTotals(**d["router"]), [TenantReport(**t) for t in d["tenants"]])

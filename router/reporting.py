@@ -3,18 +3,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvledger.router.admission import TenantAdmission
 from kvledger.router.engines import Engines
 from kvledger.router.feed import EventFeed
-from kvledger.router.report import ClusterReport, ForeignReport, RankReport, RouterTotals, TierBlocks
+from kvledger.router.report import ClusterReport, ForeignReport, RankReport, RouterTotals, TenantReport, TierBlocks
 from kvledger.router.tally import Tally
 from kvledger.worker.wire.messages import RankLoad
 
 
 def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engines: Engines, feed: EventFeed,
                    loads: Mapping[int, RankLoad], inflight: Mapping[int, tuple[int, int]],
-                   tally: Tally) -> ClusterReport:
+                   tally: Tally, tenants: Sequence[TenantAdmission]) -> ClusterReport:
     """Per live rank its blocks, hit rate, events, load and what was routed to it; per ZMQ-fed engine its index
-    view; the router's totals. ``inflight``: per live rank, requests dispatched and their queued tokens."""
+    view; the router's totals; per tenant its admission. ``inflight``: per live rank, requests dispatched and
+    their queued tokens."""
     index = feed.index
     events = {r: feed.counters(r) for r in live}
     foreign_engines = feed.foreign_engines()
@@ -48,4 +50,13 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
     added, live_set = engines.added(), set(live)
     foreign = [ForeignReport(r, name, *held[r][:2], r in live_set or r not in added, held[r][2], rejected.get(r, {}))
                for r, name in foreign_engines.items()]
-    return ClusterReport(policy, tokens_per_block, ranks, foreign, totals)
+    return ClusterReport(policy, tokens_per_block, ranks, foreign, totals, tenant_reports(tenants))
+
+
+def tenant_reports(tenants: Sequence[TenantAdmission]) -> list[TenantReport]:
+    """Each tenant's admission, with its share of the tokens let onto the ranks."""
+    total = sum(t.served_tokens for t in tenants)
+    return [TenantReport(t.tenant, t.limits.weight, t.limits.max_inflight, t.limits.tokens_per_s, t.running, t.queued,
+                         t.shed, t.served, t.served_tokens, t.served_tokens / total if total else 0.0,
+                         t.queue_seconds.sum / t.queue_seconds.count if t.queue_seconds.count else None)
+            for t in tenants]

@@ -8,9 +8,12 @@ from kvledger.router.policies import RouteDecision
 
 
 class OverloadedError(RuntimeError):
-    """No room for the request now (HTTP 429 with ``Retry-After``); it was not served and may be sent again."""
+    """No room for the request now (HTTP 429 with ``Retry-After``); it was not served and may be sent again
+    after ``retry_after_s``."""
 
-    retry_after_s = 1
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)

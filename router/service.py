@@ -43,6 +43,7 @@ from kvledger.router.response_store import ResponseStore, UnknownResponseError
 from kvledger.router.routing import RouteStep
 from kvledger.router.served import CompletionResult, OverloadedError, RankProbe, Streamed
 from kvledger.router.tally import Tally
+from kvledger.router.tenants import OPEN, Caller
 from kvledger.router.vllm_engine import VllmEngine
 from kvledger.worker.wire.batches import PublishedBatch
 from kvledger.worker.wire.errors import OutOfBlocksError
@@ -65,7 +66,7 @@ class RouterService:
                               clock, on_removed=self._forget)
         self.account = LoadAccount()
         self.admission = AdmissionGate(config.max_inflight_completions, config.max_queued_completions,
-                                       config.queue_timeout_s)
+                                       config.queue_timeout_s, config.admission, clock)
         self.step = RouteStep(self.policy, self.account)
         self.tally = Tally()
         self.responses = ResponseStore(config.stored_responses)
@@ -207,7 +208,7 @@ class RouterService:
     def complete(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                  lora_id: int | None = None, priority: int | None = None, model: str | None = None,
                  fields: dict | None = None, chat: bool = False, n: int = 1, responses: bool = False,
-                 rank: int | None = None) -> CompletionResult:
+                 rank: int | None = None, caller: Caller = OPEN) -> CompletionResult:
         """Route, migrate a prefix if the decision says so, serve; decide again if the engine is lost.
 
         ``fields``: the client's other OpenAI fields (sampling, stop strings, log-probabilities; with ``chat``,
@@ -217,29 +218,35 @@ class RouterService:
         ``UnknownModelError`` for a model nobody serves; ``NoLiveRankError`` when no engine is left to serve it;
         ``EngineRefusedError`` when the engine refuses it; ``OverloadedError`` (nothing sent, or nothing kept)
         when there is no room for it now: the router's queue is full (``RouterConfig.max_queued_completions``),
-        or the engine's.
+        or the engine's. ``caller``: whose request it is, for its tenant's share and limits at admission
+        (``router.admission``).
         """
         m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
                                 responses)
-        held = self._hold()
+        held = self._hold(caller, job)
         try:
             return self._serve(req, job, m, None, rank)
+        except OverloadedError:
+            self.admission.shed(caller)
+            raise
         finally:
             held.release()
 
     def stream(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                lora_id: int | None = None, priority: int | None = None, model: str | None = None,
                fields: dict | None = None, chat: bool = False, n: int = 1, responses: bool = False,
-               rank: int | None = None) -> Streamed:
+               rank: int | None = None, caller: Caller = OPEN) -> Streamed:
         """``complete``, streamed: it returns once the engine's first chunk is in (an engine lost before that is
         decided around); one lost later ends the stream with an error chunk. The admission slot is held until
         the stream ends."""
         m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
                                 responses)
-        held = self._hold()
+        held = self._hold(caller, job)
         try:
             return self._serve(req, job, m, held, rank)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, OverloadedError):
+                self.admission.shed(caller)
             held.release()
             raise
 
@@ -260,13 +267,14 @@ class RouterService:
         m.check(job)
         return m, req, job
 
-    def _hold(self) -> Held:
-        """A generation's admission slot; ``OverloadedError`` (the request shed) when the router is full."""
+    def _hold(self, caller: Caller, job: Generation) -> Held:
+        """A generation's admission slot, at its cost (prompt tokens + ``n * max_tokens``); ``OverloadedError``
+        (the request shed) when the router is full or the caller's tenant is over its limits."""
         try:
-            return self.admission.hold()
+            return self.admission.hold(caller, job.priority, len(job.tokens) + job.n * job.max_tokens)
         except AdmissionRefused as e:
             self.tally.shed()
-            raise OverloadedError(f"{e}; retry shortly") from e
+            raise OverloadedError(f"{e}; retry shortly", e.retry_after_s) from e
 
     def _serve(self, req: RouteRequest, job: Generation, model: Model, stream: Held | None,
                only: int | None = None) -> CompletionResult | Streamed:
@@ -437,7 +445,7 @@ class RouterService:
             loads = dict(self._loads)
             inflight = {r: self.account.inflight(r) for r in live}
         return cluster_report(self.policy.name, self.config.tokens_per_block, live, self.engines, self.feed,
-                              loads, inflight, self.tally)
+                              loads, inflight, self.tally, self.admission.tenants())
 
     def close(self) -> None:
         self.feed.close()

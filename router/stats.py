@@ -22,7 +22,7 @@ GAP_BUCKETS_TOKENS: tuple[float, ...] = (-1024, -256, -64, -16, -1, 0, 16, 64, 2
 class RateMeter:
     """Events per second over the last ``window_s`` seconds (not thread-safe: its owner locks)."""
 
-    __slots__ = ("window_s", "clock", "total", "_marks", "_in_window")
+    __slots__ = ("_in_window", "_marks", "clock", "total", "window_s")
 
     def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
         if not window_s > 0:
@@ -68,6 +68,12 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
         self.count += 1
+
+    def copy(self) -> Histogram:
+        """A copy that later observations leave as it is (for readers outside the owner's lock)."""
+        out = Histogram(self.bounds)
+        out.counts, out.sum, out.count = list(self.counts), self.sum, self.count
+        return out
 
     def cumulative(self) -> list[tuple[float, int]]:
         """``(le, observations <= le)`` per bound, ending with ``(inf, count)``."""

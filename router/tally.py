@@ -86,15 +86,9 @@ class Tally:
 
     def probe_latency(self) -> Histogram:
         with self.lock:
-            return _copy(self.stats.probe_latency)
+            return self.stats.probe_latency.copy()
 
     def cached_gap(self) -> Histogram:
         with self.lock:
-            return _copy(self.stats.cached_gap)
+            return self.stats.cached_gap.copy()
 
-
-def _copy(h: Histogram) -> Histogram:
-    out = Histogram(h.bounds)
-    out.counts = list(h.counts)
-    out.sum, out.count = h.sum, h.count
-    return out

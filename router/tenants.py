@@ -1,12 +1,14 @@
 """Who is calling the router: API keys, tenants and roles, and the cache salt a tenant's requests get.
 
-``up --api-keys FILE`` names every key, one per line::
+``up --api-keys FILE`` names every key, one per line, and optionally its
+tenant's share and limits at admission (``router.tenant_limits``)::
 
-    # key                              tenant   role
-    sk-4f0c9a...                       acme     user
+    # key                              tenant   role   settings
+    sk-4f0c9a...                       acme     user   weight=2 max_inflight=8 tokens_per_s=20000
     sk-77e1b2...                       ops      admin
 
-Blank lines and ``#`` comments are skipped; a key is any run of non-space
+Blank lines and ``#`` comments are skipped; a tenant's settings are given on
+one of its keys (the others leave them out) or alike on each; a key is any run of non-space
 characters (``secrets.token_urlsafe(32)`` makes a good one). Keys are compared
 in constant time (``hmac.compare_digest``, against every key, so the time
 says nothing about which one nearly matched).
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvledger.router.tenant_limits import NO_LIMITS, TenantLimits, parse_limits
+
 Role = Literal["user", "admin"]
 ROLES: tuple[Role, ...] = ("user", "admin")
 
@@ -43,6 +47,8 @@ class Caller:
     tenant: str | None
     """``None``: the router has no keys, and everyone is one tenant."""
     role: Role
+    limits: TenantLimits = NO_LIMITS
+    """The tenant's share and limits at admission (``router.admission``)."""
 
     def salt(self, cache_salt: str | None) -> str | None:
         """The salt this caller's request is hashed with (see the module docstring)."""
@@ -81,19 +87,31 @@ class ApiKeys:
             text = p.read_text()
         except OSError as e:
             raise ValueError(f"api_keys: cannot read {p}: {e.strerror}") from None
-        keys: dict[str, Caller] = {}
+        lines: dict[str, tuple[str, Role]] = {}
+        limits: dict[str, tuple[int, TenantLimits]] = {}
         for n, line in enumerate(text.splitlines(), 1):
             fields = line.split("#", 1)[0].split()
             if not fields:
                 continue
-            if len(fields) != 3 or fields[2] not in ROLES:
-                raise ValueError(f"api_keys: {p} line {n}: expected 'KEY TENANT ROLE' with ROLE user or admin, "
-                                 f"got {len(fields)} field(s)")
-            key, tenant, role = fields
-            if key in keys:
+            if len(fields) < 3 or fields[2] not in ROLES:
+                raise ValueError(f"api_keys: {p} line {n}: expected 'KEY TENANT ROLE [NAME=VALUE ...]' with ROLE "
+                                 f"user or admin, got {len(fields)} field(s)")
+            key, tenant, role = fields[:3]
+            if key in lines:
                 raise ValueError(f"api_keys: {p} line {n}: a key is listed twice")
-            keys[key] = Caller(tenant, role)  # type: ignore[arg-type]
-        return cls(keys)
+            try:
+                own = parse_limits(fields[3:]) if fields[3:] else None
+            except ValueError as e:
+                raise ValueError(f"api_keys: {p} line {n}: {e}") from None
+            if own is not None:
+                first, known = limits.setdefault(tenant, (n, own))
+                if known != own:
+                    name = next(f for f in TenantLimits.__dataclass_fields__ if getattr(known, f) != getattr(own, f))
+                    raise ValueError(f"api_keys: {p} line {n}: {name}: tenant {tenant!r} has {name}="
+                                     f"{getattr(known, name)} on line {first}; its keys must agree (or set it once)")
+            lines[key] = tenant, role  # type: ignore[assignment]
+        return cls({key: Caller(tenant, role, limits[tenant][1] if tenant in limits else NO_LIMITS)
+                    for key, (tenant, role) in lines.items()})
 
     def caller(self, key: str | None) -> Caller:
         """The caller a key belongs to; ``AuthError`` for none or an unknown one."""

@@ -187,7 +187,7 @@ def test_keys_files_and_open_binds_are_checked_before_anything_starts(tmp_path) 
     assert RouterActorConfig(host="0.0.0.0", allow_unauthenticated=True).host == "0.0.0.0"
     bad = tmp_path / "keys"
     bad.write_text("sk-one alice user\nsk-two bob superuser\n")
-    with pytest.raises(ValueError, match="line 2: expected 'KEY TENANT ROLE' with ROLE user or admin"):
+    with pytest.raises(ValueError, match=r"line 2: expected 'KEY TENANT ROLE \[NAME=VALUE \.\.\.\]' with ROLE user"):
         RouterActorConfig(api_keys=str(bad))
     bad.write_text("sk-one alice user\nsk-one bob user\n")
     with pytest.raises(ValueError, match="line 2: a key is listed twice"):

@@ -322,6 +322,9 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
         ratio = "-" if t["delivered_ratio"] is None else f"{t['delivered_ratio']:.2f}"
         out(f"router: {t['completions']} completions, cached tokens delivered/predicted {ratio}, "
             f"{t['events_rejected']} events rejected")
+        s = view["sessions"]
+        out(f"sessions: {s['live']} live, {s['waiting_on_tool']} waiting on a tool, hit rate {s['hit_rate']:.0%} "
+            f"over {s['turns']} turn(s)")
         for f in view["foreign"]:
             out(f"vLLM rank {f['rank']}: {f['endpoint']} {'live' if f['live'] else 'DOWN'}, "
                 f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed")

@@ -53,6 +53,7 @@ from kvledger.router.openai_types import ChatBody, CompletionBody, ProbeBody, Ro
 from kvledger.router.policies import NoLiveRankError, RankState
 from kvledger.router.served import CompletionResult, OverloadedError, Streamed
 from kvledger.router.service import RouterService
+from kvledger.router.sessions import session_of
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,16 @@ class _ServiceCollector:
                                  ("kvledger_index_replays", t.replays, "Replays asked of ranks"),
                                  ("kvledger_index_snapshots", t.snapshots, "Snapshots loaded")):
             yield CounterMetricFamily(name, doc, value=value)
+        s = report.sessions
+        yield GaugeMetricFamily("kvledger_sessions_live", "Agent sessions the router holds (seen within the TTL)",
+                                value=s.live)
+        yield GaugeMetricFamily("kvledger_sessions_waiting_on_tool",
+                                "Live sessions whose last answer called a tool (finish_reason tool_calls)",
+                                value=s.waiting_on_tool)
+        yield CounterMetricFamily("kvledger_session_prompt_tokens", "Prompt tokens of session turns served",
+                                  value=s.prompt_tokens)
+        yield CounterMetricFamily("kvledger_session_cached_tokens", "Prompt tokens of session turns served from cache",
+                                  value=s.cached_tokens)
         yield CounterMetricFamily("kvledger_shed_completions", "Completions refused with 429 (no room now)",
                                   value=svc.tally.stats.shed)
         running, queued = svc.admission.counts()
@@ -236,6 +247,8 @@ def _admin(who: Annotated[Caller, Depends(_caller)]) -> Caller:
 
 User = Annotated[Caller, Depends(_caller)]
 Admin = Annotated[Caller, Depends(_admin)]
+SessionHeader = Annotated[str | None, Header(description="The agent session this request is a turn of "
+                                                         "(router.sessions); else metadata.session_id, else user")]
 
 
 def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threading.Event | None = None) -> FastAPI:
@@ -301,13 +314,14 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
             {"id": m.name, "object": "model", "created": created, "owned_by": m.info.owned_by,
              "kvledger": {"ranks": m.ranks}} for m in service.models.catalogue().values()]}
 
-    def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int],
-                 chat: bool) -> Response:
+    def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int], chat: bool,
+                 session_header: str | None) -> Response:
         fields = body.passthrough()
+        session = session_of(session_header, fields, who.tenant)
         if chat:
             fields["messages"] = body.message_dicts()
         args = dict(max_tokens=body.max_new, cache_salt=who.salt(body.cache_salt), lora_id=body.lora_id,
-                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n)
+                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n, session=session)
         if body.stream:
             return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
                                      media_type="text/event-stream")
@@ -325,17 +339,17 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         return anyio.to_thread.run_sync(fn, limiter=app.state.threads)
 
     @app.post("/v1/completions", responses=GENERATED)
-    async def completions(body: CompletionBody, who: User) -> Response:
+    async def completions(body: CompletionBody, who: User, x_session_id: SessionHeader = None) -> Response:
         def run() -> Response:
             model, tokens = service.models.encode(body.prompt, body.model)
-            return generate(body, who, model, tokens, chat=False)
+            return generate(body, who, model, tokens, False, x_session_id)
         return await in_worker_thread(run)
 
     @app.post("/v1/chat/completions", responses=GENERATED)
-    async def chat_completions(body: ChatBody, who: User) -> Response:
+    async def chat_completions(body: ChatBody, who: User, x_session_id: SessionHeader = None) -> Response:
         def run() -> Response:
             model, tokens = service.models.encode_chat(body.message_dicts(), body.model, body.passthrough())
-            return generate(body, who, model, tokens, chat=True)
+            return generate(body, who, model, tokens, True, x_session_id)
         return await in_worker_thread(run)
 
     @app.post("/v1/route")

@@ -89,12 +89,27 @@ class RouterTotals:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionsReport:
+    """The router's agent sessions (``router.sessions``): live now, waiting on a tool now, and over every session
+    turn served, its prompt and cached tokens."""
+
+    live: int
+    waiting_on_tool: int
+    turns: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    """Cached / prompt tokens over the session turns."""
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterReport:
     policy: str
     tokens_per_block: int
     ranks: list[RankReport]
     foreign: list[ForeignReport]
     router: RouterTotals
+    sessions: SessionsReport
 
     def to_dict(self) -> dict:
         """JSON-ready, nested the way the dataclasses are."""
@@ -106,4 +121,4 @@ class ClusterReport:
         ranks = [RankReport(**{**r, "blocks": None if r["blocks"] is None else
                                {tier: TierBlocks(**b) for tier, b in r["blocks"].items()}}) for r in d["ranks"]]
         return cls(d["policy"], d["tokens_per_block"], ranks, [ForeignReport(**f) for f in d["foreign"]],
-                   RouterTotals(**d["router"]))
+                   RouterTotals(**d["router"]), SessionsReport(**d["sessions"]))

@@ -18,6 +18,7 @@ call to an engine; the feed has its own (``EventFeed.lock``), the tally too.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -41,6 +42,7 @@ from kvledger.router.report import ClusterReport
 from kvledger.router.reporting import cluster_report
 from kvledger.router.routing import RouteStep
 from kvledger.router.served import CompletionResult, OverloadedError, RankProbe, Streamed
+from kvledger.router.sessions import Sessions, waits_on_tool
 from kvledger.router.tally import Tally
 from kvledger.router.vllm_engine import VllmEngine
 from kvledger.worker.wire.batches import PublishedBatch
@@ -67,6 +69,7 @@ class RouterService:
                                        config.queue_timeout_s)
         self.step = RouteStep(self.policy, self.account)
         self.tally = Tally()
+        self.sessions = Sessions(config.session_ttl_s, config.max_sessions, clock)
         self._lock = threading.Lock()
         self._loads: dict[int, RankLoad] = {}
         self._loads_at = float("-inf")
@@ -135,6 +138,7 @@ class RouterService:
             self._loads.pop(rank, None)
             self._asked.pop(rank, None)
             self.policy.on_rank_removed(rank)
+        self.sessions.forget_rank(rank)
 
     # ------------------------------------------------------------------ probing and routing
 
@@ -193,13 +197,15 @@ class RouterService:
             # every engine's own count (clients no replica saw), less what ended since it was asked
             reported = {r: ReportedQueue(load.queued_requests, load.running_requests, load.queued_prefill_tokens)
                         .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
-            return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed)
+            return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
+                                    self.sessions.blocks_by_rank())
 
     # ------------------------------------------------------------------ serving
 
     def complete(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                  lora_id: int | None = None, priority: int | None = None, model: str | None = None,
-                 fields: dict | None = None, chat: bool = False, n: int = 1) -> CompletionResult:
+                 fields: dict | None = None, chat: bool = False, n: int = 1,
+                 session: str | None = None) -> CompletionResult:
         """Route, migrate a prefix if the decision says so, serve; decide again if the engine is lost.
 
         ``fields``: the client's other OpenAI fields (sampling, stop strings, log-probabilities; with ``chat``,
@@ -208,34 +214,38 @@ class RouterService:
         ``UnknownModelError`` for a model nobody serves; ``NoLiveRankError`` when no engine is left to serve it;
         ``EngineRefusedError`` when the engine refuses it; ``OverloadedError`` (nothing sent, or nothing kept)
         when there is no room for it now: the router's queue is full (``RouterConfig.max_queued_completions``),
-        or the engine's.
+        or the engine's. ``session``: the agent session it is a turn of (``router.sessions``): weighed by the
+        policy, its blocks kept at ``RouterConfig.session_priority`` unless ``priority`` says otherwise.
         """
-        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
+        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
+                                session)
         held = self._hold()
         try:
-            return self._serve(req, job, m, None)
+            return self._serve(req, job, m, None, session)
         finally:
             held.release()
 
     def stream(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                lora_id: int | None = None, priority: int | None = None, model: str | None = None,
-               fields: dict | None = None, chat: bool = False, n: int = 1) -> Streamed:
+               fields: dict | None = None, chat: bool = False, n: int = 1, session: str | None = None) -> Streamed:
         """``complete``, streamed: it returns once the engine's first chunk is in (an engine lost before that is
         decided around); one lost later ends the stream with an error chunk. The admission slot is held until
         the stream ends."""
-        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n)
+        m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
+                                session)
         held = self._hold()
         try:
-            return self._serve(req, job, m, held)
+            return self._serve(req, job, m, held, session)
         except BaseException:
             held.release()
             raise
 
     def _job(self, prompt_tokens: Sequence[int], max_tokens: int, cache_salt: str | None, lora_id: int | None,
-             priority: int | None, model: str | None, fields: dict | None, chat: bool,
-             n: int) -> tuple[Model, RouteRequest, Generation]:
+             priority: int | None, model: str | None, fields: dict | None, chat: bool, n: int,
+             session: str | None) -> tuple[Model, RouteRequest, Generation]:
         """The request's model (looked up once for all its routing) and the request checked against that model's
-        engines before anything is sent."""
+        engines before anything is sent; a session's turn knows where its session lives, and keeps its blocks at
+        the session priority for the session's TTL."""
         if type(max_tokens) is not int or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         if type(n) is not int or not 1 <= n <= MAX_N:
@@ -243,8 +253,13 @@ class RouterService:
         m = self.models.get(model)
         req = RouteRequest.of(prompt_tokens, self.config.tokens_per_block, max_tokens=max_tokens,
                               cache_salt=cache_salt, lora_id=lora_id)
+        priority_s = None
+        if session is not None:
+            req = dataclasses.replace(req, session=self.sessions.at(session, req))
+            if priority is None:
+                priority, priority_s = self.config.session_priority, self.config.session_ttl_s
         job = Generation(next(self._request_ids), list(req.tokens), max_tokens, n, dict(fields or {}), chat,
-                         cache_salt, lora_id, priority)
+                         cache_salt, lora_id, priority, priority_s)
         m.check(job)
         return m, req, job
 
@@ -256,8 +271,8 @@ class RouterService:
             self.tally.shed()
             raise OverloadedError(f"{e}; retry shortly") from e
 
-    def _serve(self, req: RouteRequest, job: Generation, model: Model,
-               stream: Held | None) -> CompletionResult | Streamed:
+    def _serve(self, req: RouteRequest, job: Generation, model: Model, stream: Held | None,
+               session: str | None) -> CompletionResult | Streamed:
         """The one retry loop: decide, migrate, dispatch; whole, or (holding ``stream``'s slot) streamed."""
         died: set[int] = set()
         try:
@@ -287,8 +302,11 @@ class RouterService:
                     self._finished(dispatch)
                     raise
                 if stream is not None:
-                    return self._relay(rank, predicted, migrated, len(req.tokens), dispatch, first, chunks, stream)
+                    return self._relay(rank, predicted, migrated, req, job.n, dispatch, first, chunks, stream,
+                                       session)
                 self._finished(dispatch)
+                self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
+                                     waits_on_tool(got.answer))
                 return self._result(job, got, rank, model.name, decision, predicted, migrated, len(died))
         except OverloadedError:
             self.tally.shed()
@@ -302,14 +320,16 @@ class RouterService:
                                 prompt - got.cached_tokens, got.onboarded_blocks, migrated, decision, retries,
                                 predicted, name, got.answer)
 
-    def _relay(self, rank: int, predicted: int, migrated: int, prompt_len: int, dispatch: Dispatch,
-               first: dict | str, chunks: Iterator[dict | str], held: Held) -> Streamed:
+    def _relay(self, rank: int, predicted: int, migrated: int, req: RouteRequest, n: int, dispatch: Dispatch,
+               first: dict | str, chunks: Iterator[dict | str], held: Held, session: str | None) -> Streamed:
         """The stream's chunks; its admission slot is given back when it ends (or when it is dropped unstarted)."""
-        cached = 0
+        cached, usage, tool = 0, {}, False
         try:
             for ev in itertools.chain((first,), chunks):
-                if isinstance(ev, dict) and ev.get("usage"):
-                    cached = cached_tokens_of(ev)
+                if isinstance(ev, dict):
+                    tool = tool or waits_on_tool(ev)
+                    if ev.get("usage"):
+                        usage, cached = ev, cached_tokens_of(ev)
                 yield rank, predicted, ev
         except RankDiedError as e:
             self._lost(e)
@@ -318,7 +338,18 @@ class RouterService:
         finally:
             self._finished(dispatch)
             held.release()
-        self.tally.served(rank, prompt_len, predicted, cached, migrated)
+        self.tally.served(rank, len(req.tokens), predicted, cached, migrated)
+        self._session_served(session, rank, req, n, usage, cached, tool)
+
+    def _session_served(self, session: str | None, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
+                        tool: bool) -> None:
+        """A session's turn was served on ``rank``: the full blocks of its prompt and (one choice's) answer there
+        are what it left for its next turn."""
+        if session is None:
+            return
+        output = int((answer.get("usage") or {}).get("completion_tokens") or 0) // n
+        blocks = (len(req.tokens) + output) // self.feed.index.block_size(rank)
+        self.sessions.served(session, rank, req, blocks, cached, tool)
 
     def _place(self, req: RouteRequest, model: Model, died: set[int]) -> tuple[RouteDecision | None, int]:
         """Decide, and migrate the prefix if the decision says so; ``(None, 0)``: a rank died, decide again."""
@@ -423,7 +454,7 @@ class RouterService:
             loads = dict(self._loads)
             inflight = {r: self.account.inflight(r) for r in live}
         return cluster_report(self.policy.name, self.config.tokens_per_block, live, self.engines, self.feed,
-                              loads, inflight, self.tally)
+                              loads, inflight, self.tally, self.sessions.stats())
 
     def close(self) -> None:
         self.feed.close()

@@ -20,7 +20,9 @@ metrics, which show every tenant's, want an admin key.
 A completion comes back as the engine's own answer (its text, usage and ids;
 ``router.engine``), streamed chunk by chunk when asked, plus the ``kvledger``
 block: the rank, the cached tokens the router predicted and the ones the
-engine delivered. Metrics live in a registry of the app's own, filled
+engine delivered. A completion names the agent session it is a turn of with
+the ``x-session-id`` header, else ``metadata.session_id``, else ``user``
+(``router.sessions.session_of``; within the caller's tenant). Metrics live in a registry of the app's own, filled
 at scrape time from the service's counters (the service itself does not know
 Prometheus).
 """

@@ -11,7 +11,11 @@ answers is left out and the request decided again. It knows nothing of Ray or
 HTTP, so the same object runs in tests over in-process ranks and in the router
 actor over the cluster. Router replicas share their dispatches through two
 hooks (``router.replica_sync``): each dispatch and finish goes to the
-``listen``-er, and the peers' come in through ``peer_events``.
+``listen``-er, and the peers' come in through ``peer_events``. A request that
+names an agent session (``session``) is a turn of it: ``router.sessions`` knows
+where the session lives, the policy weighs that (``RouteRequest.session``, and
+every rank's session blocks), and own ranks keep its blocks at
+``RouterConfig.session_priority`` for the session's TTL.
 
 Locks: ``_lock`` guards the loads and the policy, and is never held across a
 call to an engine; the feed has its own (``EventFeed.lock``), the tally too.

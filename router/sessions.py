@@ -7,7 +7,7 @@ ran on, that turn's prompt (its length, full blocks and the hash of the last,
 so a prompt that starts with it is known to extend it), the device blocks
 prompt and answer filled there, when it was last seen, its turns, the prompt
 and cached tokens delivered to it, and whether it waits on a tool (its last
-answer's ``finish_reason`` was ``tool_calls``). The ``kv`` policy reads it as
+answer called one: ``waits_on_tool``). The ``kv`` policy reads it as
 ``SessionAt`` for a session's own turn and as session blocks per rank for
 everyone else's (``router.policies.kv``: affinity and protection).
 
@@ -53,8 +53,13 @@ def session_of(header: str | None, fields: Mapping[str, object], tenant: str | N
 
 
 def waits_on_tool(answer: Mapping) -> bool:
-    """Whether an answer, or a streamed chunk, ends a choice asking for a tool (``finish_reason: tool_calls``)."""
-    return any(isinstance(c, Mapping) and c.get("finish_reason") == TOOL_CALLS for c in answer.get("choices") or ())
+    """Whether an answer, or a streamed chunk, has a choice calling a tool: ``finish_reason`` ``tool_calls``, or
+    ``tool_calls`` in its message or delta (a named ``tool_choice`` finishes with ``stop``, as OpenAI's does)."""
+    for c in answer.get("choices") or ():
+        if isinstance(c, Mapping) and (c.get("finish_reason") == TOOL_CALLS or any(
+                isinstance(m, Mapping) and m.get(TOOL_CALLS) for m in (c.get("message"), c.get("delta")))):
+            return True
+    return False
 
 
 @dataclass(slots=True)

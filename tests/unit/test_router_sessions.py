@@ -85,7 +85,9 @@ def test_a_session_waits_on_a_tool_when_its_last_answer_called_one_chat_or_strea
     chat = {"choices": [{"index": 0, "message": {"role": "assistant", "tool_calls": [{}]},
                          "finish_reason": "tool_calls"}]}
     chunk = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
-    assert waits_on_tool(chat) and waits_on_tool(chunk)
+    named = {"choices": [{"message": {"role": "assistant", "tool_calls": [{"id": "c"}]}, "finish_reason": "stop"}]}
+    assert waits_on_tool(chat) and waits_on_tool(chunk) and waits_on_tool(named), "a named tool_choice ends with stop"
+    assert waits_on_tool({"choices": [{"delta": {"tool_calls": [{"index": 0}]}, "finish_reason": None}]})
     assert not waits_on_tool({"choices": [{"finish_reason": "stop"}]}) and not waits_on_tool({"usage": {}})
     table = Sessions(clock=Clock())
     table.served("a", 0, req(9), 2, 0, waits_on_tool(chat))

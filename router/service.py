@@ -334,6 +334,8 @@ class RouterService:
                     tool = tool or waits_on_tool(ev)
                     if ev.get("usage"):
                         usage, cached = ev, cached_tokens_of(ev)
+                elif ev == "[DONE]":   # before the client sees the end: its next turn finds the session
+                    self._session_served(session, rank, req, n, usage, cached, tool)
                 yield rank, predicted, ev
         except RankDiedError as e:
             self._lost(e)
@@ -343,7 +345,6 @@ class RouterService:
             self._finished(dispatch)
             held.release()
         self.tally.served(rank, len(req.tokens), predicted, cached, migrated)
-        self._session_served(session, rank, req, n, usage, cached, tool)
 
     def _session_served(self, session: str | None, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
                         tool: bool) -> None:

@@ -326,6 +326,9 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
             wait = "-" if t["mean_queue_s"] is None else f"{t['mean_queue_s']:.3f} s"
             out(f"tenant {t['tenant']}: weight {t['weight']:g}, {t['running']} running, {t['queued']} queued, "
                 f"{t['served']} served ({t['token_share']:.0%} of tokens), {t['shed']} shed, mean wait {wait}")
+        s = view["sessions"]
+        out(f"sessions: {s['live']} live, {s['waiting_on_tool']} waiting on a tool, hit rate {s['hit_rate']:.0%} "
+            f"over {s['turns']} turn(s)")
         for f in view["foreign"]:
             out(f"vLLM rank {f['rank']}: {f['endpoint']} {'live' if f['live'] else 'DOWN'}, "
                 f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed")

@@ -53,6 +53,14 @@ class RouterConfig:
     """Which waiting completion a freed slot goes to: ``fair``, the tenant furthest below its weighted share
     (start-time fair queueing, with the ``--api-keys`` file's per-tenant limits); ``fifo``, the first to arrive
     (tenant limits not applied). See ``router.admission``."""
+    session_ttl_s: float = 300.0
+    """A session (``x-session-id``, ``metadata.session_id`` or ``user``) idle this long is forgotten; its turns'
+    raised retention priority lasts as long once their blocks are free (``router.sessions``)."""
+    max_sessions: int = 100_000
+    """Sessions the router keeps; past it the oldest idle one is forgotten."""
+    session_priority: int = 60
+    """Retention priority of a session's blocks on kvledger's own ranks (0..100, default traffic 35), so they
+    outlive other traffic's in the LRU while its agent runs a tool; a client's ``priority`` wins."""
 
     def __post_init__(self) -> None:
         if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
@@ -77,6 +85,12 @@ class RouterConfig:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
         if self.admission not in DISCIPLINES:
             raise ValueError(f"admission must be one of {', '.join(DISCIPLINES)}, got {self.admission!r}")
+        if not 0 < self.session_ttl_s < float("inf"):
+            raise ValueError(f"session_ttl_s must be a finite number > 0, got {self.session_ttl_s!r}")
+        if type(self.max_sessions) is not int or self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be an int >= 1, got {self.max_sessions!r}")
+        if type(self.session_priority) is not int or not 0 <= self.session_priority <= 100:
+            raise ValueError(f"session_priority must be an int in 0..100, got {self.session_priority!r}")
         self.make_policy()   # an unknown policy or option fails here, naming it
 
     def make_policy(self) -> RoutingPolicy:

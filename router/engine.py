@@ -95,6 +95,8 @@ class Generation:
     lora_id: int | None = None
     priority: int | None = None
     """Retention priority of its blocks, on engines with a ledger."""
+    priority_s: float | None = None
+    """How long ``priority`` lasts once its blocks are free, then the ledger's default (``None``: for good)."""
 
 
 @dataclass(frozen=True, slots=True)

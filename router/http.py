@@ -20,7 +20,9 @@ metrics, which show every tenant's, want an admin key.
 A completion comes back as the engine's own answer (its text, usage and ids;
 ``router.engine``), streamed chunk by chunk when asked, plus the ``kvledger``
 block: the rank, the cached tokens the router predicted and the ones the
-engine delivered. Metrics live in a registry of the app's own, filled
+engine delivered. A completion names the agent session it is a turn of with
+the ``x-session-id`` header, else ``metadata.session_id``, else ``user``
+(``router.sessions.session_of``; within the caller's tenant). Metrics live in a registry of the app's own, filled
 at scrape time from the service's counters (the service itself does not know
 Prometheus).
 
@@ -66,6 +68,7 @@ from kvledger.router.response_store import StoredResponse, UnknownResponseError
 from kvledger.router.responses import input_messages, sse_event, template_fields
 from kvledger.router.served import CompletionResult, OverloadedError, Streamed
 from kvledger.router.service import RouterService
+from kvledger.router.sessions import session_of
 from kvledger.router.stats import Histogram
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
 
@@ -176,6 +179,16 @@ class _ServiceCollector:
                                  ("kvledger_index_replays", t.replays, "Replays asked of ranks"),
                                  ("kvledger_index_snapshots", t.snapshots, "Snapshots loaded")):
             yield CounterMetricFamily(name, doc, value=value)
+        s = report.sessions
+        yield GaugeMetricFamily("kvledger_sessions_live", "Agent sessions the router holds (seen within the TTL)",
+                                value=s.live)
+        yield GaugeMetricFamily("kvledger_sessions_waiting_on_tool",
+                                "Live sessions whose last answer called a tool (finish_reason tool_calls)",
+                                value=s.waiting_on_tool)
+        yield CounterMetricFamily("kvledger_session_prompt_tokens", "Prompt tokens of session turns served",
+                                  value=s.prompt_tokens)
+        yield CounterMetricFamily("kvledger_session_cached_tokens", "Prompt tokens of session turns served from cache",
+                                  value=s.cached_tokens)
         yield CounterMetricFamily("kvledger_shed_completions", "Completions refused with 429 (no room now)",
                                   value=svc.tally.stats.shed)
         running, queued = svc.admission.counts()
@@ -280,6 +293,8 @@ def _admin(who: Annotated[Caller, Depends(_caller)]) -> Caller:
 
 User = Annotated[Caller, Depends(_caller)]
 Admin = Annotated[Caller, Depends(_admin)]
+SessionHeader = Annotated[str | None, Header(description="The agent session this request is a turn of "
+                                                         "(router.sessions); else metadata.session_id, else user")]
 
 
 def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threading.Event | None = None) -> FastAPI:
@@ -349,13 +364,15 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
             {"id": m.name, "object": "model", "created": created, "owned_by": m.info.owned_by,
              "kvledger": {"ranks": m.ranks}} for m in service.models.catalogue().values()]}
 
-    def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int],
-                 chat: bool) -> Response:
+    def generate(body: CompletionBody | ChatBody, who: Caller, model: str, tokens: list[int], chat: bool,
+                 session_header: str | None) -> Response:
         fields = body.passthrough()
+        session = session_of(session_header, fields, who.tenant)
         if chat:
             fields["messages"] = body.message_dicts()
         args = dict(max_tokens=body.max_new, cache_salt=who.salt(body.cache_salt), lora_id=body.lora_id,
-                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n, caller=who)
+                    priority=body.priority, model=model, fields=fields, chat=chat, n=body.n, caller=who,
+                    session=session)
         if body.stream:
             return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
                                      media_type="text/event-stream")
@@ -373,23 +390,24 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         return anyio.to_thread.run_sync(fn, limiter=app.state.threads)
 
     @app.post("/v1/completions", responses=GENERATED)
-    async def completions(body: CompletionBody, who: User) -> Response:
+    async def completions(body: CompletionBody, who: User, x_session_id: SessionHeader = None) -> Response:
         def run() -> Response:
             model, tokens = service.models.encode(body.prompt, body.model)
-            return generate(body, who, model, tokens, chat=False)
+            return generate(body, who, model, tokens, False, x_session_id)
         return await in_worker_thread(run)
 
     @app.post("/v1/chat/completions", responses=GENERATED)
-    async def chat_completions(body: ChatBody, who: User) -> Response:
+    async def chat_completions(body: ChatBody, who: User, x_session_id: SessionHeader = None) -> Response:
         def run() -> Response:
             model, tokens = service.models.encode_chat(body.message_dicts(), body.model, body.passthrough())
-            return generate(body, who, model, tokens, chat=True)
+            return generate(body, who, model, tokens, True, x_session_id)
         return await in_worker_thread(run)
 
     @app.post("/v1/responses", responses=GENERATED)
-    async def responses(body: ResponsesBody, who: User) -> Response:
+    async def responses(body: ResponsesBody, who: User, x_session_id: SessionHeader = None) -> Response:
         def run() -> Response:
             fields = body.passthrough()
+            session = session_of(x_session_id, fields, who.tenant)
             before = None if body.previous_response_id is None else service.responses.get(body.previous_response_id)
             messages = input_messages(body.instructions, fields["input"], *(() if before is None else
                                                                            (before.messages, before.output)))
@@ -404,7 +422,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
 
             args = {"max_tokens": body.max_new, "cache_salt": who.salt(body.cache_salt), "lora_id": body.lora_id,
                     "priority": body.priority, "model": model, "fields": fields, "chat": True, "responses": True,
-                    "rank": None if before is None else before.rank, "caller": who}
+                    "rank": None if before is None else before.rank, "caller": who, "session": session}
             if body.stream:
                 return StreamingResponse(_relay_responses(service.stream(tokens, **args), remember),
                                          media_type="text/event-stream")

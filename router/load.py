@@ -80,6 +80,8 @@ class _RankAccount:
     queued: int = 0
     queued_tokens: int = 0
     """Prompt tokens of the queued requests that have not started their prefill."""
+    queued_blocks: int = 0
+    """Blocks the queued requests will hold."""
     started: list[Dispatch] = field(default_factory=list)
     """Queued requests whose prefill has begun."""
     running: int = 0
@@ -133,6 +135,7 @@ class LoadAccount:
         a = self._ranks.setdefault(d.rank, _RankAccount())
         a.queued += 1
         a.queued_tokens += d.prefill_tokens
+        a.queued_blocks += d.blocks
         return d
 
     def started(self, d: Dispatch, now: float, duration: float) -> None:
@@ -189,8 +192,9 @@ class LoadAccount:
         return a.queued + a.running, a.queued_tokens + started
 
     def state(self, rank: int, now: float, kv_used_blocks: int = 0, kv_total_blocks: int = 0,
-              reported: ReportedQueue | None = None, migratable: bool = True) -> RankState:
-        """``rank`` as the policies see it at ``now``; the blocks in use come from the rank's own report.
+              reported: ReportedQueue | None = None, migratable: bool = True, session_blocks: int = 0) -> RankState:
+        """``rank`` as the policies see it at ``now``; the blocks in use come from the rank's own report, those
+        live sessions left there (``session_blocks``) from the router's session table.
 
         An engine's own count of its queue (``reported``) wins where it is larger: clients may send it work no
         router replica saw. The rank's count holds this router's requests too, so
@@ -208,12 +212,13 @@ class LoadAccount:
             queued = max(a.queued + a.running, reported.waiting + reported.running) - running
             pending = max(pending, reported.prefill_tokens)
         return RankState(rank, True, queued, pending, running, a.running_blocks, kv_used_blocks, kv_total_blocks,
-                         migratable)
+                         migratable, a.queued_blocks + a.running_blocks, session_blocks)
 
 
 def _leave_queue(a: _RankAccount, d: Dispatch) -> None:
     """``d`` is no longer queued on its rank: its prompt tokens (or its started prefill) stop counting."""
     a.queued -= 1
+    a.queued_blocks -= d.blocks
     if d.started_at is None:
         a.queued_tokens -= d.prefill_tokens
     else:

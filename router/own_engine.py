@@ -54,11 +54,13 @@ def engine_info(info: RankInfo) -> EngineInfo:
     return EngineInfo(info.model, info.tokens_per_block, tok, info.max_context, tok.vocab_size, PlainChat(), LEDGER)
 
 
-def retention_for(priority: int | None) -> RetentionConfig | None:
-    """The whole prompt and its decoded blocks at ``priority`` (``None``: the ledger's default)."""
+def retention_for(priority: int | None, duration_s: float | None = None) -> RetentionConfig | None:
+    """The whole prompt and its decoded blocks at ``priority`` (``None``: the ledger's default), for ``duration_s``
+    once they are free (``None``: for good; TensorRT-LLM's countdown)."""
     if priority is None:
         return None
-    return RetentionConfig(ranges=(TokenRange(0, None, priority),), decode_priority=priority)
+    return RetentionConfig(ranges=(TokenRange(0, None, priority, duration_s),), decode_priority=priority,
+                           decode_duration_s=duration_s)
 
 
 def sampling_of(job: Generation, model: str, choice: int) -> Sampling:
@@ -84,7 +86,7 @@ def beam_search_of(job: Generation, model: str) -> Request:
     if job.max_tokens < 1:
         raise ParamError("max_tokens", f"max_tokens={job.max_tokens}: a beam search generates a token at least")
     return Request(job.request_id, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
-                   retention=retention_for(job.priority), beam_width=job.n)
+                   retention=retention_for(job.priority, job.priority_s), beam_width=job.n)
 
 
 def _top_logprobs(job: Generation) -> int | None:
@@ -133,9 +135,9 @@ class OwnEngine:
                                                      f"not {item['type']} items (vLLM servers serve them)")
         if job.fields.get("use_beam_search") and job.n > 1:
             return [beam_search_of(job, self._info.model)]
+        retention = retention_for(job.priority, job.priority_s)
         return [Request(job.request_id + i, list(job.tokens), job.max_tokens, job.lora_id, job.cache_salt,
-                       retention=retention_for(job.priority), sampling=sampling_of(job, self._info.model, i))
-               for i in range(job.n)]
+                        retention=retention, sampling=sampling_of(job, self._info.model, i)) for i in range(job.n)]
 
     def check(self, job: Generation) -> None:
         self.requests(job)
@@ -147,7 +149,7 @@ class OwnEngine:
             return self._beams(job, requests[0])
         if len(requests) > 1:   # the prompt computed once: the choices then reuse its blocks
             (prefill,) = self._serve([Request(job.request_id + job.n, list(job.tokens), 0, job.lora_id,
-                                              job.cache_salt, retention=retention_for(job.priority))])
+                                              job.cache_salt, retention=requests[0].retention)])
             cached = prefill.cached_tokens
         outcomes = self._serve(requests)
         first = outcomes[0]

@@ -111,6 +111,20 @@ class TenantReport:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionsReport:
+    """The router's agent sessions (``router.sessions``): live now, waiting on a tool now, and over every session
+    turn served, its prompt and cached tokens."""
+
+    live: int
+    waiting_on_tool: int
+    turns: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    """Cached / prompt tokens over the session turns."""
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterReport:
     policy: str
     tokens_per_block: int
@@ -118,6 +132,7 @@ class ClusterReport:
     foreign: list[ForeignReport]
     router: RouterTotals
     tenants: list[TenantReport]
+    sessions: SessionsReport
 
     def to_dict(self) -> dict:
         """JSON-ready, nested the way the dataclasses are."""
@@ -129,4 +144,5 @@ class ClusterReport:
         ranks = [RankReport(**{**r, "blocks": None if r["blocks"] is None else
                                {tier: TierBlocks(**b) for tier, b in r["blocks"].items()}}) for r in d["ranks"]]
         return cls(d["policy"], d["tokens_per_block"], ranks, [ForeignReport(**f) for f in d["foreign"]],
-                   RouterTotals(**d["router"]), [TenantReport(**t) for t in d["tenants"]])
+                   RouterTotals(**d["router"]), [TenantReport(**t) for t in d["tenants"]],
+                   SessionsReport(**d["sessions"]))

@@ -6,17 +6,19 @@ from collections.abc import Mapping, Sequence
 from kvledger.router.admission import TenantAdmission
 from kvledger.router.engines import Engines
 from kvledger.router.feed import EventFeed
-from kvledger.router.report import ClusterReport, ForeignReport, RankReport, RouterTotals, TenantReport, TierBlocks
+from kvledger.router.report import (ClusterReport, ForeignReport, RankReport, RouterTotals, SessionsReport, TenantReport,
+                                    TierBlocks)
+from kvledger.router.sessions import SessionStats
 from kvledger.router.tally import Tally
 from kvledger.worker.wire.messages import RankLoad
 
 
 def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engines: Engines, feed: EventFeed,
-                   loads: Mapping[int, RankLoad], inflight: Mapping[int, tuple[int, int]],
-                   tally: Tally, tenants: Sequence[TenantAdmission]) -> ClusterReport:
+                   loads: Mapping[int, RankLoad], inflight: Mapping[int, tuple[int, int]], tally: Tally,
+                   tenants: Sequence[TenantAdmission], sessions: SessionStats) -> ClusterReport:
     """Per live rank its blocks, hit rate, events, load and what was routed to it; per ZMQ-fed engine its index
-    view; the router's totals; per tenant its admission. ``inflight``: per live rank, requests dispatched and
-    their queued tokens."""
+    view; the router's totals; per tenant its admission; its sessions. ``inflight``: per live rank, requests
+    dispatched and their queued tokens."""
     index = feed.index
     events = {r: feed.counters(r) for r in live}
     foreign_engines = feed.foreign_engines()
@@ -50,7 +52,10 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
     added, live_set = engines.added(), set(live)
     foreign = [ForeignReport(r, name, *held[r][:2], r in live_set or r not in added, held[r][2], rejected.get(r, {}))
                for r, name in foreign_engines.items()]
-    return ClusterReport(policy, tokens_per_block, ranks, foreign, totals, tenant_reports(tenants))
+    s = sessions
+    return ClusterReport(policy, tokens_per_block, ranks, foreign, totals, tenant_reports(tenants),
+                         SessionsReport(s.live, s.waiting_on_tool, s.turns, s.prompt_tokens, s.cached_tokens,
+                                        s.hit_rate))
 
 
 def tenant_reports(tenants: Sequence[TenantAdmission]) -> list[TenantReport]:

@@ -11,13 +11,18 @@ answers is left out and the request decided again. It knows nothing of Ray or
 HTTP, so the same object runs in tests over in-process ranks and in the router
 actor over the cluster. Router replicas share their dispatches through two
 hooks (``router.replica_sync``): each dispatch and finish goes to the
-``listen``-er, and the peers' come in through ``peer_events``.
+``listen``-er, and the peers' come in through ``peer_events``. A request that
+names an agent session (``session``) is a turn of it: ``router.sessions`` knows
+where the session lives, the policy weighs that (``RouteRequest.session``, and
+every rank's session blocks), and own ranks keep its blocks at
+``RouterConfig.session_priority`` for the session's TTL.
 
 Locks: ``_lock`` guards the loads and the policy, and is never held across a
 call to an engine; the feed has its own (``EventFeed.lock``), the tally too.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -42,6 +47,7 @@ from kvledger.router.reporting import cluster_report
 from kvledger.router.response_store import ResponseStore, UnknownResponseError
 from kvledger.router.routing import RouteStep
 from kvledger.router.served import CompletionResult, OverloadedError, RankProbe, Streamed
+from kvledger.router.sessions import Sessions, waits_on_tool
 from kvledger.router.tally import Tally
 from kvledger.router.tenants import OPEN, Caller
 from kvledger.router.vllm_engine import VllmEngine
@@ -71,6 +77,7 @@ class RouterService:
         self.tally = Tally()
         self.responses = ResponseStore(config.stored_responses)
         """The responses relayed, for follow-ups (``router.response_store``: the HTTP API keeps it)."""
+        self.sessions = Sessions(config.session_ttl_s, config.max_sessions, clock)
         self._lock = threading.Lock()
         self._loads: dict[int, RankLoad] = {}
         self._loads_at = float("-inf")
@@ -139,6 +146,7 @@ class RouterService:
             self._loads.pop(rank, None)
             self._asked.pop(rank, None)
             self.policy.on_rank_removed(rank)
+        self.sessions.forget_rank(rank)
 
     # ------------------------------------------------------------------ probing and routing
 
@@ -201,14 +209,15 @@ class RouterService:
             # every engine's own count (clients no replica saw), less what ended since it was asked
             reported = {r: ReportedQueue(load.queued_requests, load.running_requests, load.queued_prefill_tokens)
                         .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
-            return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed)
+            return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
+                                    self.sessions.blocks_by_rank())
 
     # ------------------------------------------------------------------ serving
 
     def complete(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                  lora_id: int | None = None, priority: int | None = None, model: str | None = None,
                  fields: dict | None = None, chat: bool = False, n: int = 1, responses: bool = False,
-                 rank: int | None = None, caller: Caller = OPEN) -> CompletionResult:
+                 rank: int | None = None, caller: Caller = OPEN, session: str | None = None) -> CompletionResult:
         """Route, migrate a prefix if the decision says so, serve; decide again if the engine is lost.
 
         ``fields``: the client's other OpenAI fields (sampling, stop strings, log-probabilities; with ``chat``,
@@ -219,13 +228,15 @@ class RouterService:
         ``EngineRefusedError`` when the engine refuses it; ``OverloadedError`` (nothing sent, or nothing kept)
         when there is no room for it now: the router's queue is full (``RouterConfig.max_queued_completions``),
         or the engine's. ``caller``: whose request it is, for its tenant's share and limits at admission
-        (``router.admission``).
+        (``router.admission``). ``session``: the agent session it is a turn of (``router.sessions``): weighed by
+        the policy, its blocks kept at ``RouterConfig.session_priority`` unless ``priority`` says otherwise.
+        ``rank``: serve it there and nowhere else (a Responses follow-up).
         """
         m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
-                                responses)
+                                responses, session)
         held = self._hold(caller, job)
         try:
-            return self._serve(req, job, m, None, rank)
+            return self._serve(req, job, m, None, rank, session)
         except OverloadedError:
             self.admission.shed(caller)
             raise
@@ -235,15 +246,15 @@ class RouterService:
     def stream(self, prompt_tokens: Sequence[int], max_tokens: int = 16, cache_salt: str | None = None,
                lora_id: int | None = None, priority: int | None = None, model: str | None = None,
                fields: dict | None = None, chat: bool = False, n: int = 1, responses: bool = False,
-               rank: int | None = None, caller: Caller = OPEN) -> Streamed:
+               rank: int | None = None, caller: Caller = OPEN, session: str | None = None) -> Streamed:
         """``complete``, streamed: it returns once the engine's first chunk is in (an engine lost before that is
         decided around); one lost later ends the stream with an error chunk. The admission slot is held until
         the stream ends."""
         m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
-                                responses)
+                                responses, session)
         held = self._hold(caller, job)
         try:
-            return self._serve(req, job, m, held, rank)
+            return self._serve(req, job, m, held, rank, session)
         except BaseException as e:
             if isinstance(e, OverloadedError):
                 self.admission.shed(caller)
@@ -252,9 +263,10 @@ class RouterService:
 
     def _job(self, prompt_tokens: Sequence[int], max_tokens: int, cache_salt: str | None, lora_id: int | None,
              priority: int | None, model: str | None, fields: dict | None, chat: bool, n: int,
-             responses: bool = False) -> tuple[Model, RouteRequest, Generation]:
+             responses: bool, session: str | None) -> tuple[Model, RouteRequest, Generation]:
         """The request's model (looked up once for all its routing) and the request checked against that model's
-        engines before anything is sent."""
+        engines before anything is sent; a session's turn knows where its session lives, and keeps its blocks at
+        the session priority for the session's TTL."""
         if type(max_tokens) is not int or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         if type(n) is not int or not 1 <= n <= MAX_N:
@@ -262,8 +274,13 @@ class RouterService:
         m = self.models.get(model)
         req = RouteRequest.of(prompt_tokens, self.config.tokens_per_block, max_tokens=max_tokens,
                               cache_salt=cache_salt, lora_id=lora_id)
+        priority_s = None
+        if session is not None:
+            req = dataclasses.replace(req, session=self.sessions.at(session, req))
+            if priority is None:
+                priority, priority_s = self.config.session_priority, self.config.session_ttl_s
         job = Generation(next(self._request_ids), list(req.tokens), max_tokens, n, dict(fields or {}), chat,
-                         responses, cache_salt, lora_id, priority)
+                         responses, cache_salt, lora_id, priority, priority_s)
         m.check(job)
         return m, req, job
 
@@ -277,7 +294,7 @@ class RouterService:
             raise OverloadedError(f"{e}; retry shortly", e.retry_after_s) from e
 
     def _serve(self, req: RouteRequest, job: Generation, model: Model, stream: Held | None,
-               only: int | None = None) -> CompletionResult | Streamed:
+               only: int | None, session: str | None) -> CompletionResult | Streamed:
         """The one retry loop: decide (on rank ``only`` alone when given), migrate, dispatch; whole, or (holding
         ``stream``'s slot) streamed."""
         died: set[int] = set()
@@ -308,8 +325,11 @@ class RouterService:
                     self._finished(dispatch)
                     raise
                 if stream is not None:
-                    return self._relay(rank, predicted, migrated, len(req.tokens), dispatch, first, chunks, stream)
+                    return self._relay(rank, predicted, migrated, req, job.n, dispatch, first, chunks, stream,
+                                       session)
                 self._finished(dispatch)
+                self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
+                                     waits_on_tool(got.answer))
                 return self._result(job, got, rank, model.name, decision, predicted, migrated, len(died))
         except OverloadedError:
             self.tally.shed()
@@ -323,14 +343,22 @@ class RouterService:
                                 prompt - got.cached_tokens, got.onboarded_blocks, migrated, decision, retries,
                                 predicted, name, got.answer)
 
-    def _relay(self, rank: int, predicted: int, migrated: int, prompt_len: int, dispatch: Dispatch,
-               first: dict | str, chunks: Iterator[dict | str], held: Held) -> Streamed:
+    def _relay(self, rank: int, predicted: int, migrated: int, req: RouteRequest, n: int, dispatch: Dispatch,
+               first: dict | str, chunks: Iterator[dict | str], held: Held, session: str | None) -> Streamed:
         """The stream's chunks; its admission slot is given back when it ends (or when it is dropped unstarted)."""
-        cached = 0
+        cached, usage, tool = 0, {}, False
         try:
             for ev in itertools.chain((first,), chunks):
                 if isinstance(ev, dict):
+                    tool = tool or waits_on_tool(ev)
                     cached = cached_tokens_of(ev) or cached   # the usage chunk, or a Responses stream's last event
+                    if ev.get("usage"):
+                        usage = ev
+                    elif ev.get("type") == "response.completed":   # a Responses stream's end: it sends no [DONE]
+                        usage = ev.get("response") or {}
+                        self._session_served(session, rank, req, n, usage, cached, tool)
+                elif ev == "[DONE]":   # before the client sees the end: its next turn finds the session
+                    self._session_served(session, rank, req, n, usage, cached, tool)
                 yield rank, predicted, ev
         except RankDiedError as e:
             self._lost(e)
@@ -339,7 +367,18 @@ class RouterService:
         finally:
             self._finished(dispatch)
             held.release()
-        self.tally.served(rank, prompt_len, predicted, cached, migrated)
+        self.tally.served(rank, len(req.tokens), predicted, cached, migrated)
+
+    def _session_served(self, session: str | None, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
+                        tool: bool) -> None:
+        """A session's turn was served on ``rank``: the full blocks of its prompt and (one choice's) answer there
+        are what it left for its next turn."""
+        if session is None:
+            return
+        usage = answer.get("usage") or {}
+        output = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0) // n
+        blocks = (len(req.tokens) + output) // self.feed.index.block_size(rank)
+        self.sessions.served(session, rank, req, blocks, cached, tool)
 
     def _place(self, req: RouteRequest, model: Model, died: set[int],
                only: int | None) -> tuple[RouteDecision | None, int]:
@@ -445,7 +484,7 @@ class RouterService:
             loads = dict(self._loads)
             inflight = {r: self.account.inflight(r) for r in live}
         return cluster_report(self.policy.name, self.config.tokens_per_block, live, self.engines, self.feed,
-                              loads, inflight, self.tally, self.admission.tenants())
+                              loads, inflight, self.tally, self.admission.tenants(), self.sessions.stats())
 
     def close(self) -> None:
         self.feed.close()

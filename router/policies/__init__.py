@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvledger.router.policies.base import (NoLiveRankError, RankState, RouteDecision, RouteRequest, RoutingPolicy,
-                                           live_ranks)
+                                           SessionAt, live_ranks)
 from kvledger.router.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy
 from kvledger.router.policies.dynamo import DynamoCostConfig, DynamoPolicy
 from kvledger.router.policies.kv import KvCostModel, KvPolicy
@@ -58,6 +58,6 @@ def make_policy(name: str = DEFAULT_POLICY, *, seed: int = 0, **options: float |
 __all__ = [
     "DEFAULT_POLICY", "CacheAwareConfig", "CacheAwarePolicy", "DynamoCostConfig", "DynamoPolicy", "KvCostModel",
     "KvPolicy", "LlmDPolicy", "LlmDWeights", "NoLiveRankError", "PowerOfTwoPolicy", "RandomPolicy", "RankState",
-    "RoundRobinPolicy", "RouteDecision", "RouteRequest", "RoutingPolicy", "live_ranks", "make_policy",
+    "RoundRobinPolicy", "RouteDecision", "RouteRequest", "RoutingPolicy", "SessionAt", "live_ranks", "make_policy",
     "policy_config_type", "policy_names",
 ]

@@ -47,10 +47,17 @@ class RankState:
     """Device-tier blocks in the pool; 0 = unknown (utilisation then reads 0)."""
     migratable: bool = True
     """Whether KV can be moved to or from it (kvledger's own ranks; not a vLLM server)."""
+    dispatched_blocks: int = 0
+    """Blocks the router's requests in flight here hold or will hold (queued and running): what its last report of
+    ``kv_used_blocks`` may not show yet."""
+    session_blocks: int = 0
+    """Device blocks live sessions (``router.sessions``) left here for their next turn: free in the rank's books,
+    occupied in ``kv``'s (its protection term)."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "queued_requests", "queued_prefill_tokens", "running_requests",
-                     "running_decode_blocks", "kv_used_blocks", "kv_total_blocks"):
+                     "running_decode_blocks", "kv_used_blocks", "kv_total_blocks", "dispatched_blocks",
+                     "session_blocks"):
             _nonneg_int(getattr(self, name), name)
         if type(self.alive) is not bool or type(self.migratable) is not bool:
             raise TypeError("alive and migratable must be bools")
@@ -68,6 +75,20 @@ class RankState:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionAt:
+    """Where the request's own session lives (``router.sessions``): its rank, the prompt tokens the rank held of
+    it at its last turn that this prompt starts with, and the device blocks its last turn left there."""
+
+    rank: int
+    held_tokens: int
+    blocks: int
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "held_tokens", "blocks"):
+            _nonneg_int(getattr(self, name), name)
+
+
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
     """A prompt to place; ``block_hashes`` are those of ``tokens[:-1]`` (see ``router.probe``)."""
 
@@ -77,6 +98,8 @@ class RouteRequest:
     max_tokens: int = 16
     cache_salt: str | None = None
     lora_id: int | None = None
+    session: SessionAt | None = None
+    """The live session it is a turn of (``None``: none, or one the router no longer knows)."""
 
     def __post_init__(self) -> None:
         if type(self.tokens) is not tuple or type(self.block_hashes) is not tuple:
@@ -90,6 +113,8 @@ class RouteRequest:
             raise ValueError(f"{len(self.tokens)} tokens have {expected} full blocks before the last token, "
                              f"got {len(self.block_hashes)} block hashes")
         _nonneg_int(self.max_tokens, "max_tokens")
+        if self.session is not None and not isinstance(self.session, SessionAt):
+            raise TypeError(f"session must be a SessionAt, got {type(self.session).__name__}")
 
     @classmethod
     def of(cls, tokens: Sequence[int], tokens_per_block: int, *, max_tokens: int = 16,

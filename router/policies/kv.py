@@ -13,6 +13,18 @@ matched host blocks, the tokens beyond the source's match to compute, plus
 taken when it beats every plain option, which includes computing the moved
 blocks on the same rank, so a transfer is never chosen when recomputing is
 cheaper.
+
+Sessions (``router.sessions``) are weighed, not pinned:
+
+- *affinity*: a turn of a live session (``RouteRequest.session``) is credited on its own rank with the prompt
+  tokens the rank held of it at its last turn when the index shows none of them yet (the engine's events still
+  on their way), ``affinity_weight`` times their prefill; once the index shows them, its match is the credit;
+- *protection*: live sessions' blocks (``RankState.session_blocks``, less the request's own session's) count as
+  occupied. A placement whose blocks to completion, less its match, do not fit the rank's device blocks beside
+  what is in use (the larger of its report and the router's dispatches) and those sessions' blocks, evicts
+  session blocks: it pays their recompute, ``protection_weight`` times ``blocks * block size * prefill``. An
+  engine's LRU evicts free blocks, session blocks among them: this keeps other traffic off a rank where a waiting
+  agent's prefix would go, unless every rank is as full.
 """
 from __future__ import annotations
 
@@ -41,6 +53,12 @@ class KvCostModel:
     """How much each running decode block delays a new prefill (batch interference)."""
     allow_migration: bool = True
     """Consider pulling a prefix from the best-matching rank."""
+    affinity_weight: float = 1.0
+    """A live session's turn is credited on its rank with what the rank held of it at its last turn, while the
+    index shows none of it, at this multiple of its prefill (0: the index alone decides)."""
+    protection_weight: float = 1.0
+    """A placement that would evict live sessions' blocks pays this multiple of their recompute (0: session blocks
+    are no more protected than any other free block)."""
 
     def __post_init__(self) -> None:
         if type(self.allow_migration) is not bool:
@@ -67,6 +85,15 @@ class KvPolicy(ConfiguredPolicy):
                 + s.running_decode_blocks * c.decode_s_per_block for s in live}
         scores = {r: load[r] + (n - m.matched_tokens) * c.prefill_s_per_token
                   + m.host_blocks * c.onboard_s_per_block for r, m in match.items()}
+        held = {r: m.matched_tokens for r, m in match.items()}
+        own = request.session
+        if own is not None and held.get(own.rank) == 0:
+            lag = min(own.held_tokens, n - 1)
+            held[own.rank] = lag
+            scores[own.rank] -= lag * c.prefill_s_per_token * c.affinity_weight
+        evicts = _Protection(request, c, {s.rank: s for s in live})
+        for r in scores:
+            scores[r] += evicts.cost(r, held[r])
         migrations: dict[int, tuple[int, int]] = {}   # target -> (source, blocks moved)
         movable = {s.rank for s in live if s.migratable}
         if c.allow_migration and len(movable) > 1:
@@ -80,10 +107,32 @@ class KvPolicy(ConfiguredPolicy):
                 if moved <= 0:
                     continue
                 cost = (load[r] + tail + m.host_blocks * c.onboard_s_per_block
-                        + c.migrate_setup_s + moved * c.migrate_s_per_block)
+                        + c.migrate_setup_s + moved * c.migrate_s_per_block + evicts.cost(r, top * bs))
                 if cost < scores[r]:
                     scores[r] = cost
                     migrations[r] = (src, moved)
         chosen = pick_best(scores, True, self._rng)
         src, moved = migrations.get(chosen, (None, 0))
         return RouteDecision(chosen, self.name, scores, True, matched_tokens(live, matches), src, moved)
+
+
+class _Protection:
+    """What placing ``request`` on a rank costs in live sessions' blocks it would evict there (module docstring)."""
+
+    __slots__ = ("blocks", "config", "request", "states")
+
+    def __init__(self, request: RouteRequest, config: KvCostModel, states: Mapping[int, RankState]) -> None:
+        self.request, self.config, self.states = request, config, states
+        self.blocks = -(-(len(request.tokens) + request.max_tokens) // request.tokens_per_block)
+        """The request's blocks to completion."""
+
+    def cost(self, rank: int, held_tokens: int) -> float:
+        """Seconds of session recompute evicted by serving on ``rank``, which holds ``held_tokens`` of the prompt."""
+        s, c, own = self.states[rank], self.config, self.request.session
+        protected = s.session_blocks - (own.blocks if own is not None and own.rank == rank else 0)
+        if protected <= 0 or not s.kv_total_blocks or not c.protection_weight:
+            return 0.0
+        bs = self.request.tokens_per_block
+        free = s.kv_total_blocks - max(s.kv_used_blocks, s.dispatched_blocks) - protected
+        evicted = min(protected, max(0, self.blocks - held_tokens // bs - max(free, 0)))
+        return evicted * bs * c.prefill_s_per_token * c.protection_weight

@@ -342,3 +342,60 @@ def test_a_follow_up_to_an_own_ranks_response_is_refused_by_name(router):
     unkept = client.post("/v1/responses", json={"input": "w: hi", "max_output_tokens": 1, "store": False}).json()
     r = client.post("/v1/responses", json={"input": "w: more", "previous_response_id": unkept["id"]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+def _stored(client: httpx.Client, since: int, rank: int) -> list[dict]:
+    """The blocks ``rank`` stored, updated and removed since event ``since`` (what its ledger announced)."""
+    r = client.get("/v1/events", params={"since": since, "rank": rank, "timeout": 0.3})
+    assert r.status_code == 200
+    return [json.loads(line) for line in r.text.splitlines() if line]
+
+
+def test_an_agent_sessions_turn_after_a_tool_gap_finds_its_prefix_past_other_traffic():
+    """Pools of 32 blocks, a session of 16: while its tool runs, eight other prompts of 16 blocks each fill both
+    ranks several times over. Its next turn goes back to its rank and reuses its whole prompt there: its blocks
+    were stored at the session priority, and other traffic's were evicted first."""
+    cfg = CacheConfig(tokens_per_block=T, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                      device="cpu", num_primary_blocks=32, num_secondary_blocks=0)
+    service = RouterService(LocalCluster.build(2, cfg), RouterConfig(tokens_per_block=T, load_refresh_s=0.0))
+    service.feed.sync()
+    server = HttpServer(make_app(service), port=0).start()
+    agent = {"x-session-id": "agent-7"}
+    try:
+        with httpx.Client(base_url=server.url, timeout=20.0) as client:
+            since = client.get("/v1/cluster").json()["router"]["events_logged"]   # and the ranks' block counts
+            task = encode("Agent: plan the trip to Paris; call the weather tool, then read it.")[:60]
+            first = client.post("/v1/completions", headers=agent, json={"prompt": task, "max_tokens": 4}).json()
+            rank = first["kvledger"]["rank"]
+            for i in range(8):   # the tool runs; other clients' prompts of 60 tokens come in meanwhile
+                other = encode(f"{chr(ord('a') + i)}: other traffic, a prompt of its own, {i} of eight")[:60]
+                r = client.post("/v1/completions", json={"prompt": other + [32] * (60 - len(other)), "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                client.get("/v1/cluster")   # the ranks' loads, as the router's upkeep asks them
+            turn = task + first["kvledger"]["output_token_ids"] + encode(" Tool: sunny, 21 C. Next?")
+            second = client.post("/v1/completions", headers=agent, json={"prompt": turn, "max_tokens": 4}).json()
+            assert second["kvledger"]["rank"] == rank, "the turn goes back to its session's rank"
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(task) // T * T
+            events = _stored(client, since, rank)
+            roots = [e for e in events if e["type"] == "BlockStored" and e["parent_block_hash"] is None]
+            mine = {e["priority"] for e in roots if e["token_ids"][:T] == task[:T]}
+            assert mine == {60}, "the session's prompt stored at RouterConfig.session_priority"
+            assert {e["priority"] for e in roots if e["token_ids"][:T] != task[:T]} == {35}, "other traffic's at 35"
+            assert any(e["type"] == "BlockRemoved" for e in events), "other traffic was evicted there"
+            explicit = client.post("/v1/completions", headers=agent,
+                                   json={"prompt": turn, "max_tokens": 1, "priority": 90}).json()
+            assert explicit["kvledger"]["rank"] == rank
+            later = _stored(client, since + len(_stored(client, since, 0)) + len(events), rank)
+            assert {e["new_priority"] for e in later if e["type"] == "BlockUpdated"} == {90}, "a client's priority wins"
+            s = client.get("/v1/cluster").json()["sessions"]
+            assert (s["live"], s["waiting_on_tool"], s["turns"]) == (1, 0, 3)
+            assert s["cached_tokens"] > 0 and s["hit_rate"] == s["cached_tokens"] / s["prompt_tokens"]
+            metrics = client.get("/metrics").text
+            assert "kvledger_sessions_live 1.0" in metrics and "kvledger_sessions_waiting_on_tool 0.0" in metrics
+            assert f"kvledger_session_cached_tokens_total {float(s['cached_tokens'])}" in metrics
+            for headers, body, param in (({"x-session-id": "x" * 257}, {}, "x-session-id"),
+                                         ({}, {"metadata": {"session_id": 7}}, "metadata.session_id")):
+                bad = client.post("/v1/completions", headers=headers, json={"prompt": turn, "max_tokens": 1, **body})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+            assert client.get("/v1/cluster").json()["sessions"]["turns"] == 3, "a refused request changes nothing"
+    finally:
+        server.stop()
+        service.close()

@@ -442,3 +442,55 @@ def test_a_function_call_round_trip_through_the_responses_api(router, vllm_serve
     kv = answered.model_extra["kvledger"]
     assert answered.usage.input_tokens == len(tokens), "the call and its output hashed as the engine renders them"
     assert kv["rank"] == rank and kv["predicted_cached_tokens"] == kv["cached_tokens"] > 0
+def test_an_agent_session_keeps_its_prefix_cached_turn_over_turn_past_other_traffic(router, vllm_servers):
+    """One session (``x-session-id``) over four chat turns, the first three calling a tool (the second streamed),
+    other clients' prompts in every tool gap
+    and no wait for the index: each turn goes back to the session's engine and is delivered the conversation so
+    far from its cache; the router holds the session as waiting on a tool until the last answer is text."""
+    service, client = router
+    sdk, model = sdk_of(client), vllm_servers[0].model_name
+    sid = "vllm-agent-session"
+    messages: list[dict] = [{"role": "user", "content": "Sessions. " + QUESTION}]
+    before = client.get("/v1/cluster").json()["sessions"]
+    rank = held = None
+    for turn in range(4):
+        args = {"model": model, "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0,
+                "tool_choice": "none" if turn == 3 else CALL_WEATHER, "extra_headers": {"x-session-id": sid}}
+        if turn == 1:
+            chunks = list(sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+            kv = chunks[-1].model_extra["kvledger"]
+            by_index: dict[int, dict] = {}   # each call's pieces, as they streamed
+            for d in (d for c in chunks for ch in c.choices for d in (ch.delta.tool_calls or [])):
+                call = by_index.setdefault(d.index, {"id": None, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                call["id"] = call["id"] or d.id
+                call["function"]["name"] += (d.function and d.function.name) or ""
+                call["function"]["arguments"] += (d.function and d.function.arguments) or ""
+            calls = list(by_index.values())
+            finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+        else:
+            got = sdk.chat.completions.create(**args)
+            usage, kv = got.usage, got.model_extra["kvledger"]
+            calls = [c.model_dump() for c in got.choices[0].message.tool_calls or []]
+            finish = [got.choices[0].finish_reason]
+        if turn:
+            assert kv["rank"] == rank, f"turn {turn} goes back to its session's engine"
+            assert usage.prompt_tokens_details.cached_tokens >= held > 0, f"turn {turn} reuses the conversation"
+        rank = kv["rank"]
+        bs = service.feed.index.block_size(rank)
+        held = (usage.prompt_tokens - 1) // bs * bs
+        session = service.sessions.get(sid)
+        assert session is not None and session.rank == rank and session.turns == turn + 1
+        if turn == 3:
+            assert not session.waiting_on_tool
+            break
+        assert calls and session.waiting_on_tool, f"turn {turn} waits on its tool ({finish}, as vLLM ends a named call)"
+        for i in range(2):   # the tool runs; other clients' prompts come in meanwhile
+            complete(client, prompt(200 + 2 * turn + i, 300), model)
+        messages += [{"role": "assistant", "content": None, "tool_calls": calls},
+                     *({"role": "tool", "tool_call_id": c["id"], "content": f"sunny, {20 + turn} degrees"}
+                       for c in calls)]
+    after = client.get("/v1/cluster").json()["sessions"]
+    assert after["turns"] - before["turns"] == 4 and after["cached_tokens"] > before["cached_tokens"]
+    assert after["waiting_on_tool"] == before["waiting_on_tool"]

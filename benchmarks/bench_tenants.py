@@ -23,7 +23,7 @@ run the share of each turn's reusable prefix (the previous turn's prompt in
 whole blocks) that the engine served from cache. Then the agents' TTFT p99
 under the flood over their p99 alone, for each admission.
 
-    python benchmarks/bench_tenants.py [--turns 8] [--sessions 6] [--flood 20] [--blocks 200]
+    python benchmarks/bench_tenants.py [--engines vllm|own] [--turns 8] [--sessions 4] [--tenants 2] [--blocks 200]
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite use
 from vllm_engines import TOOL_CALLING, VllmServer, own_cores, vllm_python, write_tiny_checkpoint  # noqa: E402
 
 BLOCK = 32
+#: What kvledger's own ranks serve.
+OWN_MODEL = "kvledger-reference"
 HTTP_TIMEOUT_S = 120.0
 #: An agent's tools, as an SDK sends them (they are rendered into every prompt by the engine's template).
 TOOLS = [{"type": "function", "function": {
@@ -70,6 +72,8 @@ class Turn:
     cached_tokens: int
     reusable_tokens: int
     """The previous turn's prompt in whole blocks (0 on a session's first turn): what the engine could reuse."""
+    rank: int
+    """The engine the router sent it to."""
 
 
 @dataclass
@@ -94,8 +98,8 @@ class Refused(Exception):
         self.status, self.retry_after_s = status, retry_after_s
 
 
-def stream_chat(client: httpx.Client, key: str, body: dict, session: str | None) -> tuple[float, dict, str]:
-    """One streamed chat through the router: seconds to its first chunk, its usage, its text."""
+def stream_chat(client: httpx.Client, key: str, body: dict, session: str | None) -> tuple[float, dict, str, int]:
+    """One streamed chat through the router: seconds to its first chunk, its usage, its text, its engine."""
     headers = {"Authorization": f"Bearer {key}", **({"x-session-id": session} if session else {})}
     t0 = time.perf_counter()
     ttft, usage, text = None, {}, []
@@ -118,10 +122,10 @@ def stream_chat(client: httpx.Client, key: str, body: dict, session: str | None)
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
                 text.append(ev["choices"][0].get("delta", {}).get("content") or "")
             if ev.get("usage"):
-                usage = ev["usage"]
-    if ttft is None:
-        raise RuntimeError("the stream ended without a choice")
-    return ttft, usage, "".join(text)
+                usage, rank = ev["usage"], ev["kvledger"]["rank"]
+    if ttft is None or not usage:
+        raise RuntimeError("the stream ended without a choice or its usage")
+    return ttft, usage, "".join(text), rank
 
 
 def cached_of(usage: dict) -> int:
@@ -129,20 +133,22 @@ def cached_of(usage: dict) -> int:
 
 
 def agent(client: httpx.Client, key: str, tenant: str, session: str, model: str, turns: int, gap_s: float,
-          seed: int, tally: Tally, deadline: float) -> None:
-    """One session: a turn, a tool call and its result after ``gap_s``, the next turn; ``turns`` of them."""
+          seed: int, tally: Tally, deadline: float, send_id: bool, tools: bool) -> None:
+    """One session: a turn, a tool call and its result after ``gap_s``, the next turn; ``turns`` of them, each
+    with ``x-session-id`` when ``send_id``. Without ``tools`` (kvledger's own ranks serve no tool calling) the
+    call is the answer's text and its result a user message."""
     rng = random.Random(seed)
     messages = [{"role": "system", "content": f"Repository {session}:\n{words(rng, 40)}"}]
     reusable = 0
     for t in range(turns):
         messages.append({"role": "user", "content": f"Step {t}: {words(rng, 5)}"})
-        body = {"model": model, "messages": messages, "tools": TOOLS, "max_tokens": AGENT_MAX_TOKENS,
-                "temperature": 0.0}
+        body = {"model": model, "messages": messages, "max_tokens": AGENT_MAX_TOKENS, "temperature": 0.0,
+                **({"tools": TOOLS} if tools else {})}
         for _ in range(100):   # bounded: a refused turn is retried after the router's Retry-After
             if time.monotonic() > deadline:
                 return
             try:
-                ttft, usage, text = stream_chat(client, key, body, session)
+                ttft, usage, text, rank = stream_chat(client, key, body, session if send_id else None)
                 break
             except Refused as e:
                 tally.count(tally.shed, tenant)
@@ -151,13 +157,15 @@ def agent(client: httpx.Client, key: str, tenant: str, session: str, model: str,
             tally.count(tally.failed, tenant)
             return
         prompt = int(usage.get("prompt_tokens") or 0)
-        tally.add(Turn(tenant, ttft, prompt, cached_of(usage), reusable))
+        tally.add(Turn(tenant, ttft, prompt, cached_of(usage), reusable, rank))
         reusable = prompt // BLOCK * BLOCK
         call = {"id": f"call_{session}_{t}", "type": "function",
                 "function": {"name": TOOLS[t % 2]["function"]["name"], "arguments": json.dumps({"path": f"src/{t}"})}}
-        messages.append({"role": "assistant", "content": text, "tool_calls": [call]})
+        messages.append({"role": "assistant", "content": text, **({"tool_calls": [call]} if tools else {})})
         time.sleep(gap_s * rng.uniform(0.5, 1.5))   # the tool runs
-        messages.append({"role": "tool", "tool_call_id": call["id"], "content": words(rng, 8)})
+        result = words(rng, 8)
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": result} if tools else
+                        {"role": "user", "content": f"{call['function']['name']} says: {result}"})
 
 
 def flood(client: httpx.Client, key: str, model: str, seed: int, tally: Tally, stop: threading.Event) -> None:
@@ -167,7 +175,7 @@ def flood(client: httpx.Client, key: str, model: str, seed: int, tally: Tally, s
         body = {"model": model, "messages": [{"role": "user", "content": words(rng, 75)}],
                 "max_tokens": FLOOD_MAX_TOKENS, "temperature": 0.0}
         try:
-            ttft, usage, _ = stream_chat(client, key, body, None)
+            ttft, usage, _, rank = stream_chat(client, key, body, None)
         except Refused as e:
             tally.count(tally.shed, "flood")
             stop.wait(min(e.retry_after_s, 1.0))
@@ -175,7 +183,7 @@ def flood(client: httpx.Client, key: str, model: str, seed: int, tally: Tally, s
         except httpx.HTTPError:
             tally.count(tally.failed, "flood")
             continue
-        tally.add(Turn("flood", ttft, int(usage.get("prompt_tokens") or 0), cached_of(usage), 0))
+        tally.add(Turn("flood", ttft, int(usage.get("prompt_tokens") or 0), cached_of(usage), 0, rank))
 
 
 # ---------------------------------------------------------------------------------------------- the router process
@@ -187,7 +195,16 @@ def serve_router(spec: dict) -> None:
     from kvledger.router.service import RouterService
     from kvledger.router.tenants import ApiKeys
 
-    service = RouterService(None, RouterConfig(**spec["config"]))
+    ranks = None
+    if spec["own_blocks"]:
+        import torch
+
+        from kvledger.coordinator.local_cluster import LocalCluster
+        from kvledger.worker.ledger import CacheConfig
+
+        ranks = LocalCluster.build(2, CacheConfig(tokens_per_block=BLOCK, dtype=torch.float32,
+                                                  num_primary_blocks=spec["own_blocks"]))
+    service = RouterService(ranks, RouterConfig(**spec["config"]))
     server = HttpServer(make_app(service, ApiKeys.load(spec["keys"])), port=0).start()
     print(server.port, flush=True)
     sys.stdin.read()
@@ -198,9 +215,10 @@ def serve_router(spec: dict) -> None:
 class Router:
     """The router process of one run, started over the engines and stopped by its own process id."""
 
-    def __init__(self, config: dict, keys: Path) -> None:
+    def __init__(self, config: dict, keys: Path, own_blocks: int) -> None:
+        """``own_blocks``: the router fronts two kvledger ranks of its own process with that many blocks each."""
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve-router",
-                                      json.dumps({"config": config, "keys": str(keys)})],
+                                      json.dumps({"config": config, "keys": str(keys), "own_blocks": own_blocks})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.strip().isdigit():
@@ -241,29 +259,56 @@ def write_keys(path: Path, setup: Setup) -> dict[str, str]:
     return keys
 
 
-def run(name: str, urls: list[str], keys_file: Path, keys: dict[str, str], model: str, setup: Setup,
-        admission: str, with_flood: bool, seed: int) -> Tally:
-    for url in urls:
+@dataclass(frozen=True)
+class Run:
+    name: str
+    admission: str
+    flood: bool
+    sessions: bool
+    """Whether the agents send ``x-session-id``."""
+
+
+RUNS = (Run("alone", "fair", False, True), Run("fifo", "fifo", True, True),
+        Run("fair, no session ids", "fair", True, False), Run("fair", "fair", True, True))
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The engines behind the router: vLLM servers (``urls``), or two kvledger ranks of ``own_blocks`` each."""
+
+    model: str
+    urls: tuple[str, ...] = ()
+    own_blocks: int = 0
+
+
+def run(spec: Run, fleet: Fleet, keys_file: Path, keys: dict[str, str], setup: Setup, seed: int) -> Tally:
+    for url in fleet.urls:   # a fresh router's own ranks start empty
         httpx.post(f"{url}/reset_prefix_cache", timeout=HTTP_TIMEOUT_S).raise_for_status()
-    config = {"tokens_per_block": BLOCK, "vllm": urls, "policy": "kv", "max_inflight_completions": setup.max_inflight,
-              "max_queued_completions": 256, "queue_timeout_s": 60.0, "admission": admission}
-    router = Router(config, keys_file)
+    config = {"tokens_per_block": BLOCK, "vllm": fleet.urls, "policy": "kv",
+              "max_inflight_completions": setup.max_inflight, "max_queued_completions": 256, "queue_timeout_s": 60.0,
+              "admission": spec.admission}
+    router = Router(config, keys_file, fleet.own_blocks)
+    model = fleet.model
     tally, stop = Tally(), threading.Event()
     deadline = time.monotonic() + 900
     try:
         with httpx.Client(base_url=router.url, timeout=HTTP_TIMEOUT_S,
                           limits=httpx.Limits(max_connections=setup.flood + setup.sessions + 4)) as client:
+            # the router's first chat compiles the template and loads the tokenizer: not a turn to time
+            stream_chat(client, keys["flood"], {"model": model, "messages": [{"role": "user", "content": "warm"}],
+                                                "max_tokens": 1}, None)
             flooders = [threading.Thread(target=flood, args=(client, keys["flood"], model, seed * 1000 + i, tally,
                                                              stop), daemon=True)
-                        for i in range(setup.flood if with_flood else 0)]
+                        for i in range(setup.flood if spec.flood else 0)]
             for t in flooders:
                 t.start()
-            time.sleep(1.0 if with_flood else 0.0)   # the flood is under way before the agents start
+            time.sleep(1.0 if spec.flood else 0.0)   # the flood is under way before the agents start
+            tenants = [f"agents-{i % setup.tenants}" for i in range(setup.sessions)]
             agents = [threading.Thread(target=agent, args=(
-                client, keys[f"agents-{i % setup.tenants}"], f"agents-{i % setup.tenants}", f"{name}-s{i}", model,
-                setup.turns, setup.gap_s, seed * 100 + i, tally, deadline), daemon=True)
-                for i in range(setup.sessions)]
-            for i, t in enumerate(agents):
+                client, keys[tenant], tenant, f"{RUNS.index(spec)}-s{i}", model, setup.turns, setup.gap_s,
+                seed * 100 + i, tally, deadline, spec.sessions, not fleet.own_blocks), daemon=True)
+                for i, tenant in enumerate(tenants)]
+            for t in agents:
                 t.start()
                 time.sleep(0.2)   # sessions start staggered
             for t in agents:
@@ -305,7 +350,7 @@ def report(name: str, tally: Tally) -> dict[str, float]:
     """Print one run's table; the agents' TTFT p99 and prefix kept back."""
     print(f"\n{name}")
     print(f"  {'tenant':<10} {'completions':>11} {'TTFT p50':>9} {'p99':>8} {'shed':>6} {'hit rate':>9} "
-          f"{'prefix kept':>12}")
+          f"{'prefix kept':>12} {'per engine':>12}")
     tenants = sorted({t.tenant for t in tally.turns} | set(tally.shed))
     for tenant in tenants:
         turns = [t for t in tally.turns if t.tenant == tenant]
@@ -315,8 +360,9 @@ def report(name: str, tally: Tally) -> dict[str, float]:
         later = [t for t in turns if t.reusable_tokens]
         kept = (sum(min(t.cached_tokens, t.reusable_tokens) for t in later) / sum(t.reusable_tokens for t in later)
                 if later else float("nan"))
+        engines = "/".join(str(sum(t.rank == r for t in turns)) for r in sorted({t.rank for t in tally.turns}))
         print(f"  {tenant:<10} {len(turns):>11} {pct(ttft, 50):>8.3f}s {pct(ttft, 99):>7.3f}s "
-              f"{tally.shed.get(tenant, 0):>6} {hit:>8.1%} {kept:>11.1%}"
+              f"{tally.shed.get(tenant, 0):>6} {hit:>8.1%} {kept:>11.1%} {engines:>12}"
               + (f"  ({tally.failed[tenant]} failed)" if tally.failed.get(tenant) else ""))
     agents = [t for t in tally.turns if t.tenant != "flood"]
     later = [t for t in agents if t.reusable_tokens]
@@ -329,8 +375,8 @@ def report(name: str, tally: Tally) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sessions", type=int, default=6, help="agent sessions, spread over the agent tenants")
-    ap.add_argument("--tenants", type=int, default=3, help="agent tenants")
+    ap.add_argument("--sessions", type=int, default=4, help="agent sessions, spread over the agent tenants")
+    ap.add_argument("--tenants", type=int, default=2, help="agent tenants")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--gap-s", type=float, default=1.0, help="mean seconds a tool runs between turns")
     ap.add_argument("--flood", type=int, default=None,
@@ -341,6 +387,8 @@ def main() -> None:
                     help="the flood's limits in the key file, e.g. 'max_inflight=2 tokens_per_s=4000' (default: "
                          "max_inflight its share of --max-inflight)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engines", choices=("vllm", "own"), default="vllm",
+                    help="behind the router: two vLLM servers, or two kvledger ranks in the router's process")
     ap.add_argument("--vllm", action="append", metavar="URL",
                     help="use these running servers (twice; started with VLLM_SERVER_DEV_MODE=1, which serves "
                          "/reset_prefix_cache) instead of starting two")
@@ -352,30 +400,34 @@ def main() -> None:
     per_tenant = -(-args.sessions // args.tenants)
     setup = Setup(args.sessions, args.turns, args.gap_s, args.flood or 10 * per_tenant, args.tenants,
                   args.max_inflight, args.flood_limits)
-    print(f"two vLLM servers, {args.blocks} blocks of {BLOCK} tokens each; {setup.sessions} agent sessions of "
+    engines = "two kvledger ranks (the reference engine)" if args.engines == "own" else "two vLLM servers"
+    print(f"{engines}, {args.blocks} blocks of {BLOCK} tokens each; {setup.sessions} agent sessions of "
           f"{setup.turns} turns over {setup.tenants} tenants, tool gaps of {setup.gap_s:g} s on average; the flood "
           f"on {setup.flood} connections (10x an agent tenant's {per_tenant}); router max_inflight_completions "
           f"{setup.max_inflight}")
     with tempfile.TemporaryDirectory(prefix="kvledger-tenants-") as tmp:
         work = Path(tmp)
-        servers = [] if args.vllm else start_servers(work, args.blocks)
+        servers = [] if args.vllm or args.engines == "own" else start_servers(work, args.blocks)
         try:
-            urls = args.vllm or [s.url for s in servers]
-            model = httpx.get(f"{urls[0]}/v1/models", timeout=HTTP_TIMEOUT_S).json()["data"][0]["id"]
+            if args.engines == "own":
+                fleet = Fleet(OWN_MODEL, own_blocks=args.blocks)
+            else:
+                urls = tuple(args.vllm or [s.url for s in servers])
+                fleet = Fleet(httpx.get(f"{urls[0]}/v1/models", timeout=HTTP_TIMEOUT_S).json()["data"][0]["id"], urls)
             keys_file = work / "keys.txt"
             keys = write_keys(keys_file, setup)
             got = {}
-            for name, admission, with_flood in (("alone", "fair", False), ("fifo", "fifo", True),
-                                                ("fair", "fair", True)):
-                tally = run(name, urls, keys_file, keys, model, setup, admission, with_flood, args.seed)
-                got[name] = report(f"{name}: " + ("agents alone" if not with_flood else
-                                                  f"with the flood, {admission} admission"), tally)
+            for spec in RUNS:
+                tally = run(spec, fleet, keys_file, keys, setup, args.seed)
+                got[spec.name] = report(f"{spec.name}: " + ("agents alone" if not spec.flood else
+                                                            f"with the flood, {spec.admission} admission")
+                                        + ("" if spec.sessions else ", the agents send no session id"), tally)
         finally:
             for s in servers:
                 s.stop()
     alone = got["alone"]["p99"]
     print("\nagents' TTFT p99 under the flood / alone (goal <= 1.5):")
-    for name in ("fifo", "fair"):
+    for name in (r.name for r in RUNS if r.flood):
         print(f"  {name}: {got[name]['p99']:.3f} s / {alone:.3f} s = {got[name]['p99'] / alone:.2f}x; "
               f"prefix kept {got[name]['kept']:.1%} (goal >= 95%)")
 

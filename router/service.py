@@ -304,7 +304,7 @@ class RouterService:
                 if decision is None:
                     continue
                 rank = decision.rank
-                predicted = min(decision.matched_tokens.get(rank, 0) + migrated * self.config.tokens_per_block,
+                predicted = min(self._held(req, rank, decision) + migrated * self.config.tokens_per_block,
                                 len(req.tokens) - 1)
                 dispatch = self._dispatch(req, rank, predicted)
                 try:
@@ -334,6 +334,15 @@ class RouterService:
         except OverloadedError:
             self.tally.shed()
             raise
+
+    @staticmethod
+    def _held(req: RouteRequest, rank: int, decision: RouteDecision) -> int:
+        """What ``rank`` holds of the prompt: the index's match, or, on the rank of the request's session, the
+        last turn's prompt it starts with, when the index has not caught up with that turn's events yet (an
+        engine publishes them after it answers, and an agent's next turn may come first)."""
+        matched = decision.matched_tokens.get(rank, 0)
+        session = req.session
+        return max(matched, session.held_tokens) if session is not None and session.rank == rank else matched
 
     def _result(self, job: Generation, got: Generated, rank: int, name: str, decision: RouteDecision,
                 predicted: int, migrated: int, retries: int) -> CompletionResult:

@@ -477,6 +477,8 @@ def test_an_agent_session_keeps_its_prefix_cached_turn_over_turn_past_other_traf
         if turn:
             assert kv["rank"] == rank, f"turn {turn} goes back to its session's engine"
             assert usage.prompt_tokens_details.cached_tokens >= held > 0, f"turn {turn} reuses the conversation"
+            assert kv["predicted_cached_tokens"] >= held, \
+                f"turn {turn}: the router promised the conversation so far, indexed or not"
         rank = kv["rank"]
         bs = service.feed.index.block_size(rank)
         held = (usage.prompt_tokens - 1) // bs * bs

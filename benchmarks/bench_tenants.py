@@ -16,7 +16,8 @@ Each agent session keeps a growing conversation: a system prompt of its own (a
 repository), the tools, and per turn a user message, the model's answer, then a
 tool call and its result after a gap in which the tool runs; every turn goes
 with ``x-session-id``. The flood sends distinct long prompts from many
-connections at once, retrying a 429 after its ``Retry-After``. Printed per run
+connections at once, retrying a 429 after its ``Retry-After``; its key file line
+holds it to its share (``FLOOD_LIMITS``, ``--flood-limits``). Printed per run
 and tenant: completions, TTFT p50/p99 (first streamed chunk), shed (429s) and
 the hit rate from the engines' own usage (cached / prompt tokens); per agent
 run the share of each turn's reusable prefix (the previous turn's prompt in
@@ -55,6 +56,11 @@ TOOLS = [{"type": "function", "function": {
     "name": name, "description": doc,
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
     for name, doc in (("read_file", "Read a file of the repository"), ("run_tests", "Run the tests of a folder"))]
+#: The flood's share in the key file: a quarter of the router's 8 slots, and about one agent tenant's own token
+#: rate (two sessions of ~1,600-token turns every ~1.3 s, cost counted as prompt + max_tokens, cached or not).
+#: Without the rate, fair admission is work-conserving: the flood takes every slot the agents leave idle in their
+#: tool gaps, and its prefills and cache churn land on the agents' engines (the README has both measured).
+FLOOD_LIMITS = "max_inflight=2 tokens_per_s=2000"
 AGENT_MAX_TOKENS = 12
 FLOOD_MAX_TOKENS = 8
 
@@ -246,15 +252,14 @@ class Setup:
     tenants: int
     max_inflight: int
     flood_limits: str
-    """The flood's limits in the key file (``max_inflight=2 tokens_per_s=4000``); empty: its share of the slots."""
+    """The flood's limits in the key file (``max_inflight=2 tokens_per_s=2000``)."""
 
 
 def write_keys(path: Path, setup: Setup) -> dict[str, str]:
-    """The key file: an agent tenant per ``agents-i`` (weight 1) and the flood (weight 1, ``flood_limits``, or
-    its fair share of the router's slots at most). The tenant -> key map back."""
+    """The key file: an agent tenant per ``agents-i`` (weight 1) and the flood (weight 1, ``flood_limits``). The
+    tenant -> key map back."""
     keys = {f"agents-{i}": f"sk-agents-{i}" for i in range(setup.tenants)} | {"flood": "sk-flood"}
-    limits = setup.flood_limits or f"max_inflight={max(1, setup.max_inflight // (setup.tenants + 1))}"
-    lines = [f"{k} {t} user weight=1" + (f" {limits}" if t == "flood" else "") for t, k in keys.items()]
+    lines = [f"{k} {t} user weight=1" + (f" {setup.flood_limits}" if t == "flood" else "") for t, k in keys.items()]
     path.write_text("\n".join(lines) + "\n")
     return keys
 
@@ -383,9 +388,8 @@ def main() -> None:
                     help="the flooding tenant's connections (default: 10x an agent tenant's sessions)")
     ap.add_argument("--blocks", type=int, default=200, help="KV blocks per engine (--num-gpu-blocks-override)")
     ap.add_argument("--max-inflight", type=int, default=8, help="the router's max_inflight_completions")
-    ap.add_argument("--flood-limits", default="",
-                    help="the flood's limits in the key file, e.g. 'max_inflight=2 tokens_per_s=4000' (default: "
-                         "max_inflight its share of --max-inflight)")
+    ap.add_argument("--flood-limits", default=FLOOD_LIMITS,
+                    help="the flood's limits in the key file (default: its share, '%(default)s')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", choices=("vllm", "own"), default="vllm",
                     help="behind the router: two vLLM servers, or two kvledger ranks in the router's process")

@@ -133,8 +133,9 @@ class Engine(Protocol):
 
     def stream(self, job: Generation) -> Iterator[dict | str]:
         """``job``'s OpenAI chunks as they are made, a usage chunk (``choices`` empty) after the last, then
-        ``"[DONE]"`` (a Responses request: its events, ``response.completed`` last). Nothing is sent until the first is asked for; an engine lost before it raises
-        ``RankDiedError`` there, one lost later raises it where the stream stops."""
+        ``"[DONE]"`` (a Responses request: its events, ``response.completed`` last). Nothing is sent until the
+        first is asked for; an engine lost before it raises ``RankDiedError`` there, one lost later raises it
+        where the stream stops."""
         ...
 
     def load(self) -> RankLoad:

@@ -22,9 +22,9 @@ A completion comes back as the engine's own answer (its text, usage and ids;
 block: the rank, the cached tokens the router predicted and the ones the
 engine delivered. A completion names the agent session it is a turn of with
 the ``x-session-id`` header, else ``metadata.session_id``, else ``user``
-(``router.sessions.session_of``; within the caller's tenant). Metrics live in a registry of the app's own, filled
-at scrape time from the service's counters (the service itself does not know
-Prometheus).
+(``router.sessions.session_of``; within the caller's tenant). Metrics live in
+a registry of the app's own, filled at scrape time from the service's counters
+(the service itself does not know Prometheus).
 
 A Responses request (``POST /v1/responses``) is rendered as the chat vLLM
 renders for it (``router.responses``), routed by that prefix, and goes to the

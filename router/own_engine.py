@@ -11,9 +11,10 @@ refused by name rather than silently dropped, and stop strings cut the text
 here. A Responses request is served as a chat (its text messages: the router
 rendered them) and answered in the Responses shape (``router.responses``);
 what it asks beyond text (tools, function calls and their outputs, reasoning,
-a previous response: own ranks keep none) is refused by name. The rank's own events come back with its reply and go to the router's
-feed (``publish``) before the answer leaves, so the next prompt sharing the
-prefix is routed on what this one stored.
+a previous response: own ranks keep none) is refused by name. The rank's own
+events come back with its reply and go to the router's feed (``publish``)
+before the answer leaves, so the next prompt sharing the prefix is routed on
+what this one stored.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from kvledger.router.admission import TenantAdmission
 from kvledger.router.engines import Engines
 from kvledger.router.feed import EventFeed
-from kvledger.router.report import (ClusterReport, ForeignReport, RankReport, RouterTotals, SessionsReport, TenantReport,
-                                    TierBlocks)
+from kvledger.router.report import (ClusterReport, ForeignReport, RankReport, RouterTotals, SessionsReport,
+                                    TenantReport, TierBlocks)
 from kvledger.router.sessions import SessionStats
 from kvledger.router.tally import Tally
 from kvledger.worker.wire.messages import RankLoad

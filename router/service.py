@@ -222,15 +222,16 @@ class RouterService:
 
         ``fields``: the client's other OpenAI fields (sampling, stop strings, log-probabilities; with ``chat``,
         its ``messages``; with ``responses``, a Responses request's body), which the engine honours or refuses by
-        name. ``n`` choices are one generation, routed once. ``rank``: the one rank that may serve it (the
-        engine keeping the response it continues; ``UnknownResponseError`` once that rank is gone). Bad input raises ``ValueError``/``TypeError`` before anything is sent;
+        name. ``n`` choices are one generation, routed once. Bad input raises ``ValueError``/``TypeError`` before
+        anything is sent;
         ``UnknownModelError`` for a model nobody serves; ``NoLiveRankError`` when no engine is left to serve it;
         ``EngineRefusedError`` when the engine refuses it; ``OverloadedError`` (nothing sent, or nothing kept)
         when there is no room for it now: the router's queue is full (``RouterConfig.max_queued_completions``),
         or the engine's. ``caller``: whose request it is, for its tenant's share and limits at admission
         (``router.admission``). ``session``: the agent session it is a turn of (``router.sessions``): weighed by
         the policy, its blocks kept at ``RouterConfig.session_priority`` unless ``priority`` says otherwise.
-        ``rank``: serve it there and nowhere else (a Responses follow-up).
+        ``rank``: the one rank that may serve it (the engine keeping the response a Responses follow-up continues;
+        ``UnknownResponseError`` once that rank is gone).
         """
         m, req, job = self._job(prompt_tokens, max_tokens, cache_salt, lora_id, priority, model, fields, chat, n,
                                 responses, session)
@@ -328,8 +329,9 @@ class RouterService:
                     return self._relay(rank, predicted, migrated, req, job.n, dispatch, first, chunks, stream,
                                        session)
                 self._finished(dispatch)
-                self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
-                                     waits_on_tool(got.answer))
+                if session is not None:
+                    self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
+                                         waits_on_tool(got.answer))
                 return self._result(job, got, rank, model.name, decision, predicted, migrated, len(died))
         except OverloadedError:
             self.tally.shed()
@@ -359,15 +361,15 @@ class RouterService:
         try:
             for ev in itertools.chain((first,), chunks):
                 if isinstance(ev, dict):
-                    tool = tool or waits_on_tool(ev)
-                    cached = cached_tokens_of(ev) or cached   # the usage chunk, or a Responses stream's last event
+                    tool = tool or (session is not None and waits_on_tool(ev))
                     if ev.get("usage"):
-                        usage = ev
+                        usage, cached = ev, cached_tokens_of(ev)
                     elif ev.get("type") == "response.completed":   # a Responses stream's end: it sends no [DONE]
-                        usage = ev.get("response") or {}
-                        self._session_served(session, rank, req, n, usage, cached, tool)
-                elif ev == "[DONE]":   # before the client sees the end: its next turn finds the session
-                    self._session_served(session, rank, req, n, usage, cached, tool)
+                        usage, cached = ev.get("response") or {}, cached_tokens_of(ev)
+                        if session is not None:
+                            self._session_served(session, rank, req, n, usage, cached, tool)
+                elif ev == "[DONE]" and session is not None:   # before the client sees the end: its next turn
+                    self._session_served(session, rank, req, n, usage, cached, tool)   # finds the session
                 yield rank, predicted, ev
         except RankDiedError as e:
             self._lost(e)
@@ -378,12 +380,10 @@ class RouterService:
             held.release()
         self.tally.served(rank, len(req.tokens), predicted, cached, migrated)
 
-    def _session_served(self, session: str | None, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
+    def _session_served(self, session: str, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
                         tool: bool) -> None:
         """A session's turn was served on ``rank``: the full blocks of its prompt and (one choice's) answer there
         are what it left for its next turn."""
-        if session is None:
-            return
         usage = answer.get("usage") or {}
         output = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0) // n
         blocks = (len(req.tokens) + output) // self.feed.index.block_size(rank)

@@ -4,9 +4,9 @@ The server does its own sampling, stop strings and ``n`` choices, so a
 generation goes to it as the client's fields plus the prompt as the token ids
 the router hashed (a chat keeps its messages: the server renders them as the
 router did), asking for the output's token ids too. A Responses request goes
-as the client sent it, the model and the salt apart (the server renders it). Its answer comes back as
-it is. A server that does not answer is
-lost (``RankDiedError``); one that answers with an error refused the request
+as the client sent it, the model and the salt apart (the server renders it).
+Its answer comes back as it is. A server that does not answer is lost
+(``RankDiedError``); one that answers with an error refused the request
 (``EngineRefusedError``), with its status and body. Its events reach the index
 over ZMQ (``router.vllm_events``), from where ``info().events`` says.
 """

@@ -69,7 +69,8 @@ REPLICA_LOAD_REPORT_S = 1.0
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
     trace: str = SYNTHETIC
-    """A Mooncake JSONL file, or ``synthetic`` for the seeded generator."""
+    """A Mooncake JSONL file, ``synthetic`` for the seeded chat generator, or a named workload
+    (``replay.workloads``: ``docs``, ``powerlaw``, ``unique``)."""
     ranks: int = 4
     """Ranks, one ledger each."""
     policy: str = "all"

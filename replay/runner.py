@@ -18,6 +18,7 @@ from kvledger.replay.tiny import run_tiny
 from kvledger.replay.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, generate_synthetic,
                                    load_mooncake)
 from kvledger.replay.vllm import run_vllm
+from kvledger.replay.workloads import WORKLOADS, WorkloadConfig, workload
 
 
 def load_trace(config: BenchConfig) -> tuple[Trace, int]:
@@ -27,6 +28,9 @@ def load_trace(config: BenchConfig) -> tuple[Trace, int]:
         trace = generate_synthetic(SyntheticConfig(requests=config.limit or SYNTHETIC_REQUESTS, block_size=tpb,
                                                    seed=config.seed))
         return trace, tpb
+    if config.trace in WORKLOADS:
+        tpb = config.tokens_per_block or SYNTHETIC_BLOCK_SIZE
+        return workload(config.trace, WorkloadConfig(block_size=tpb, seed=config.seed)).limited(config.limit), tpb
     trace = load_mooncake(config.trace).limited(config.limit)
     return trace, config.tokens_per_block or MOONCAKE_BLOCK_SIZE
 

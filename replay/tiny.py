@@ -60,6 +60,7 @@ from kvledger.replay.result import BenchResult
 from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
 from kvledger.replay.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, TraceRequest,
                                    expand_tokens, generate_synthetic, load_mooncake)
+from kvledger.replay.workloads import WORKLOADS, WorkloadConfig, workload
 from kvledger.worker.engine.tokenizer import VOCAB_SIZE
 
 # --- the workload -----------------------------------------------------------------------------------
@@ -87,6 +88,8 @@ def load_tiny_trace(trace: str, limit: int | None, tokens_per_block: int | None,
     n = limit or DEFAULT_LIMIT
     if trace == "synthetic":
         t = generate_synthetic(SyntheticConfig(requests=n, block_size=tpb, seed=seed, **TINY_SYNTHETIC))
+    elif trace in WORKLOADS:
+        t = workload(trace, WorkloadConfig(block_size=tpb, seed=seed)).limited(limit)
     else:
         t = load_mooncake(trace, MOONCAKE_BLOCK_SIZE).limited(n)
     return fit_trace(t, options.max_input_tokens, options.max_output_tokens), tpb

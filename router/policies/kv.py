@@ -25,6 +25,15 @@ Sessions (``router.sessions``) are weighed, not pinned:
   session blocks: it pays their recompute, ``protection_weight`` times ``blocks * block size * prefill``. An
   engine's LRU evicts free blocks, session blocks among them: this keeps other traffic off a rank where a waiting
   agent's prefix would go, unless every rank is as full.
+
+Capacity (``router.policies.cache_model``): the policy keeps each rank's LRU order of the blocks it sent there. A
+placement whose blocks to completion, less its match, exceed a rank's free blocks (its device blocks less the larger
+of the model's and the rank's count in use) pushes out that many of the rank's oldest blocks, and pays their
+expected reuses' prefill, ``eviction_weight`` times ``reuses * block size * prefill``. So a prompt that matches
+nowhere goes where there is room or where what it displaces is cold, and a rank that cannot hold its share of the
+working set stops taking more of it: the cluster's caches together hold what one of them cannot. Room itself has a
+price before anything is evicted: each block a placement adds pays ``occupancy_weight`` times its prefill times the
+share of the rank then in use, so new prefixes go to the emptier caches first.
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ from dataclasses import dataclass
 
 from kvledger.router.policies.base import (ConfiguredPolicy, RankState, RouteDecision, RouteRequest,
                                            check_nonneg_numbers, live_ranks, matched_tokens, pick_best)
+from kvledger.router.policies.cache_model import CacheModel
 from kvledger.router.probe import PrefixMatch
 
 
@@ -59,6 +69,13 @@ class KvCostModel:
     protection_weight: float = 1.0
     """A placement that would evict live sessions' blocks pays this multiple of their recompute (0: session blocks
     are no more protected than any other free block)."""
+    eviction_weight: float = 1.0
+    """A placement that would push a rank's least recently used blocks out pays this multiple of their expected
+    reuses' prefill (0: what a placement evicts is not weighed)."""
+    occupancy_weight: float = 0.5
+    """Each block a placement adds to a rank pays this multiple of a block's prefill times the share of the rank's
+    blocks then in use: room is worth more where little is left, so new prefixes spread over the cluster's caches
+    before any of them has to evict (0: free room is free)."""
 
     def __post_init__(self) -> None:
         if type(self.allow_migration) is not bool:
@@ -73,6 +90,10 @@ class KvPolicy(ConfiguredPolicy):
 
     name = "kv"
     config_type = KvCostModel
+
+    def __init__(self, config: KvCostModel | None = None, seed: int = 0) -> None:
+        super().__init__(config, seed)
+        self._cache = CacheModel()
 
     def route(self, request: RouteRequest, ranks: Sequence[RankState],
               matches: Mapping[int, PrefixMatch]) -> RouteDecision:
@@ -91,7 +112,7 @@ class KvPolicy(ConfiguredPolicy):
             lag = min(own.held_tokens, n - 1)
             held[own.rank] = lag
             scores[own.rank] -= lag * c.prefill_s_per_token * c.affinity_weight
-        evicts = _Protection(request, c, {s.rank: s for s in live})
+        evicts = _Evictions(request, c, {s.rank: s for s in live}, self._cache)
         for r in scores:
             scores[r] += evicts.cost(r, held[r])
         migrations: dict[int, tuple[int, int]] = {}   # target -> (source, blocks moved)
@@ -115,24 +136,47 @@ class KvPolicy(ConfiguredPolicy):
         src, moved = migrations.get(chosen, (None, 0))
         return RouteDecision(chosen, self.name, scores, True, matched_tokens(live, matches), src, moved)
 
+    def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
+        state = decision.loads.get(decision.rank)
+        blocks = -(-(len(request.tokens) + request.max_tokens) // request.tokens_per_block)
+        self._cache.touch(decision.rank, request.block_hashes, blocks - len(request.block_hashes),
+                          state.kv_total_blocks if state is not None else 0)
 
-class _Protection:
-    """What placing ``request`` on a rank costs in live sessions' blocks it would evict there (module docstring)."""
+    def on_rank_removed(self, rank: int) -> None:
+        self._cache.forget(rank)
 
-    __slots__ = ("blocks", "config", "request", "states")
 
-    def __init__(self, request: RouteRequest, config: KvCostModel, states: Mapping[int, RankState]) -> None:
-        self.request, self.config, self.states = request, config, states
+class _Evictions:
+    """What placing ``request`` on a rank costs in the blocks it would evict there: live sessions' (protection) and
+    the rank's least recently used (capacity); see the module docstring."""
+
+    __slots__ = ("blocks", "cache", "config", "keep", "request", "states")
+
+    def __init__(self, request: RouteRequest, config: KvCostModel, states: Mapping[int, RankState],
+                 cache: CacheModel) -> None:
+        self.request, self.config, self.states, self.cache = request, config, states, cache
         self.blocks = -(-(len(request.tokens) + request.max_tokens) // request.tokens_per_block)
         """The request's blocks to completion."""
+        self.keep = frozenset(request.block_hashes)
 
     def cost(self, rank: int, held_tokens: int) -> float:
-        """Seconds of session recompute evicted by serving on ``rank``, which holds ``held_tokens`` of the prompt."""
+        """Seconds of recompute evicted by serving on ``rank``, which holds ``held_tokens`` of the prompt."""
         s, c, own = self.states[rank], self.config, self.request.session
-        protected = s.session_blocks - (own.blocks if own is not None and own.rank == rank else 0)
-        if protected <= 0 or not s.kv_total_blocks or not c.protection_weight:
+        if not s.kv_total_blocks:
             return 0.0
         bs = self.request.tokens_per_block
-        free = s.kv_total_blocks - max(s.kv_used_blocks, s.dispatched_blocks) - protected
-        evicted = min(protected, max(0, self.blocks - held_tokens // bs - max(free, 0)))
-        return evicted * bs * c.prefill_s_per_token * c.protection_weight
+        new = self.blocks - held_tokens // bs
+        seconds = 0.0
+        protected = s.session_blocks - (own.blocks if own is not None and own.rank == rank else 0)
+        if protected > 0 and c.protection_weight:
+            free = s.kv_total_blocks - max(s.kv_used_blocks, s.dispatched_blocks) - protected
+            evicted = min(protected, max(0, new - max(free, 0)))
+            seconds += evicted * bs * c.prefill_s_per_token * c.protection_weight
+        used = max(self.cache.held(rank), s.kv_used_blocks)
+        if c.eviction_weight:
+            reuses = self.cache.eviction_value(rank, new - max(s.kv_total_blocks - used, 0), self.keep)
+            seconds += reuses * bs * c.prefill_s_per_token * c.eviction_weight
+        if c.occupancy_weight and new > 0:
+            filled = min(1.0, (used + new) / s.kv_total_blocks)
+            seconds += new * bs * c.prefill_s_per_token * c.occupancy_weight * filled
+        return seconds

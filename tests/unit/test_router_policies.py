@@ -11,6 +11,7 @@ from kvledger.router.load import LoadAccount, ReportedQueue
 from kvledger.router.policies import (CacheAwarePolicy, KvCostModel, KvPolicy, NoLiveRankError, RankState,
                                       RouteDecision, RouteRequest, make_policy, policy_names)
 from kvledger.router.policies.approx_tree import ApproxTree
+from kvledger.router.policies.cache_model import CacheModel
 from kvledger.router.probe import PrefixMatch, match_prefix
 from kvledger.worker.wire.events import BlockStored
 
@@ -343,3 +344,57 @@ def test_approx_tree_splits_matches_and_evicts_least_recently_used():
     assert tree.match((1, 2, 3, 9), {1}) == {1: 4}
     tree.remove_rank(1)
     assert tree.match((1, 2, 3, 9), {0, 1}) == {} and tree.size(1) == 0
+
+
+# --- kv: capacity (router.policies.cache_model) ------------------------------------------------------
+
+def test_cache_model_keeps_each_ranks_lru_order_within_its_capacity_and_values_only_reused_blocks():
+    m = CacheModel()
+    m.touch(0, [1, 2, 3], 1, capacity=6)
+    m.touch(0, [1, 2, 4], 0, capacity=6)   # 1 and 2 reused, now most recent; 3 and the other block oldest
+    assert m.held(0) == 5 and m.now == 2
+    assert m.eviction_value(0, 2, keep=()) == 0.0   # the oldest two (3 and the anonymous block) were seen once
+    assert m.eviction_value(0, 5, keep=()) > 0.0
+    assert m.eviction_value(0, 5, keep={1, 2}) == 0.0
+    m.touch(0, [5, 6, 7], 0, capacity=6)   # two fall out, oldest first
+    assert m.held(0) == 6
+    m.forget(0)
+    assert m.held(0) == 0 and m.eviction_value(0, 3, ()) == 0.0
+
+
+def _serve(policy, tokens, states):
+    r = req(tokens, max_tokens=0)
+    d = dataclasses.replace(policy.route(r, states, {}), loads={s.rank: s for s in states})
+    policy.on_routed(r, d)
+    return d.rank
+
+
+def test_kv_spreads_new_prefixes_over_the_caches_before_any_has_to_evict():
+    """Four documents of 11 blocks on two ranks of 24, rank 1 a token busier: priced by load alone, all four go to
+    rank 0, which holds two; room has a price, so each rank gets two and both hold their share."""
+    states = [RankState(0, kv_total_blocks=24), RankState(1, queued_prefill_tokens=1, kv_total_blocks=24)]
+    docs = [list(range(1000 * d, 1000 * d + 41)) for d in range(1, 5)]
+    policy = KvPolicy(KvCostModel(allow_migration=False))
+    assert sorted(_serve(policy, d, states) for d in docs) == [0, 0, 1, 1]
+    off = KvPolicy(KvCostModel(allow_migration=False, occupancy_weight=0))
+    assert [_serve(off, d, states) for d in docs] == [0, 0, 0, 0]
+
+
+def test_kv_weighs_the_reuse_a_placement_would_evict():
+    """Rank 0 is full of a document asked again and again, rank 1 of blocks seen once: a new prompt goes to rank 1,
+    though rank 0 is a little less loaded; without the eviction term it goes to rank 0."""
+    hot, cold = list(range(100, 141)), [list(range(300 + 50 * i, 341 + 50 * i)) for i in range(3)]
+    new = list(range(5000, 5041))
+
+    def placed(cost):
+        policy = KvPolicy(cost)
+        full = [RankState(0, kv_total_blocks=13), RankState(1, kv_total_blocks=13)]
+        for _ in range(3):
+            policy.on_routed(req(hot, 0), RouteDecision(0, "kv", loads={0: full[0]}))
+        for c in cold:
+            policy.on_routed(req(c, 0), RouteDecision(1, "kv", loads={1: full[1]}))
+        states = [RankState(0, kv_total_blocks=13), RankState(1, queued_prefill_tokens=2, kv_total_blocks=13)]
+        return policy.route(req(new, 0), states, {}).rank
+
+    assert placed(KvCostModel(allow_migration=False, occupancy_weight=0)) == 1
+    assert placed(KvCostModel(allow_migration=False, occupancy_weight=0, eviction_weight=0)) == 0

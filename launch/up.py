@@ -332,6 +332,11 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
         for f in view["foreign"]:
             out(f"vLLM rank {f['rank']}: {f['endpoint']} {'live' if f['live'] else 'DOWN'}, "
                 f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed")
+        for r in view["ranks"]:
+            if r.get("prefill_s_per_token") is not None:
+                decode = r.get("decode_s_per_token")
+                out(f"rank {r['rank']}: learned {r['prefill_s_per_token'] * 1e6:.1f} us per uncached prompt token"
+                    + ("" if decode is None else f", {decode * 1e3:.2f} ms per decoded token"))
         for r in {r["rank"]: r for r in [*view["ranks"], *view["foreign"]]}.values():
             if r["rejected"]:
                 out(f"rank {r['rank']}: events rejected " + ", ".join(f"{n} {why}" for why, n in r["rejected"].items()))

@@ -140,6 +140,9 @@ class _ServiceCollector:
                                          labels=["rank"])
         inflight = GaugeMetricFamily("kvledger_inflight_requests", "Requests dispatched and not finished",
                                      labels=["rank"])
+        speed = GaugeMetricFamily("kvledger_engine_seconds_per_token",
+                                  "Each engine's speed as the router learned it from its answers, per phase",
+                                  labels=["rank", "phase"])
         predicted = CounterMetricFamily("kvledger_predicted_cached_tokens",
                                         "Cached prompt tokens the index predicted on the rank a request was routed to",
                                         labels=["rank"])
@@ -163,10 +166,13 @@ class _ServiceCollector:
             inflight.add_metric([rank], r.inflight_requests)
             predicted.add_metric([rank], r.predicted_tokens)
             delivered.add_metric([rank], r.cached_tokens)
+            for phase, seconds in (("prefill", r.prefill_s_per_token), ("decode", r.decode_s_per_token)):
+                if seconds is not None:
+                    speed.add_metric([rank, phase], seconds)
         for rank, reasons in svc.feed.rejections.by_rank().items():
             for reason, n in reasons.items():
                 rejected.add_metric([str(rank), reason], n)
-        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight, predicted, delivered, rejected)
+        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight, speed, predicted, delivered, rejected)
         t = report.router
         yield GaugeMetricFamily("kvledger_router_hit_rate", "Cached / prompt tokens over the router's completions",
                                 value=t.hit_rate)

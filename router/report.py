@@ -47,6 +47,9 @@ class RankReport:
     """The vLLM server's URL, for a rank that is one."""
     rejected: dict[str, int]
     """Events the index could not take from this rank, per reason (``router.rejections``)."""
+    prefill_s_per_token: float | None = None
+    """Seconds per uncached prompt token the router learned of it (``router.engine_rates``); ``None``: not yet."""
+    decode_s_per_token: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvledger.router.engine_rates import EngineRates
 from kvledger.router.admission import TenantAdmission
 from kvledger.router.engines import Engines
 from kvledger.router.feed import EventFeed
@@ -15,10 +16,10 @@ from kvledger.worker.wire.messages import RankLoad
 
 def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engines: Engines, feed: EventFeed,
                    loads: Mapping[int, RankLoad], inflight: Mapping[int, tuple[int, int]], tally: Tally,
-                   tenants: Sequence[TenantAdmission], sessions: SessionStats) -> ClusterReport:
+                   tenants: Sequence[TenantAdmission], sessions: SessionStats, rates: EngineRates) -> ClusterReport:
     """Per live rank its blocks, hit rate, events, load and what was routed to it; per ZMQ-fed engine its index
     view; the router's totals; per tenant its admission; its sessions. ``inflight``: per live rank, requests
-    dispatched and their queued tokens."""
+    dispatched and their queued tokens; ``rates``: what the router learned of each engine's speed."""
     index = feed.index
     events = {r: feed.counters(r) for r in live}
     foreign_engines = feed.foreign_engines()
@@ -33,6 +34,7 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
     for r in live:
         load, c, info = loads.get(r), tally.rank(r), infos.get(r)
         events_total, events_per_s, batches = events[r]
+        rate = rates.rate(r)
         ranks.append(RankReport(
             r, True, None if load is None else {
                 "GPU": TierBlocks(load.device_blocks_used, load.device_blocks_free),
@@ -40,7 +42,7 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
             None if load is None else load.cache_hit_rate, held[r][0], held[r][1], events_total, events_per_s,
             batches, c.decisions, c.completions, c.prompt_tokens, c.cached_tokens, *inflight.get(r, (0, 0)),
             c.predicted_tokens, info.model if info else "", held[r][2], info.url if info else None,
-            rejected.get(r, {})))
+            rejected.get(r, {}), rate.prefill_s_per_token if rate else None, rate.decode_s_per_token if rate else None))
     with tally.lock:
         s = tally.stats
         totals = RouterTotals(s.completions, s.prompt_tokens, s.cached_tokens,

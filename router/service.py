@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from kvledger.router.admission import AdmissionGate, AdmissionRefused, Held
 from kvledger.router.config import RouterConfig
 from kvledger.router.engine import Capability, Engine, Generated, Generation, cached_tokens_of
+from kvledger.router.engine_rates import EngineRates
 from kvledger.router.engines import EngineCannotError, Engines
 from kvledger.router.feed import EventFeed
 from kvledger.router.load import Dispatch, Ended, LoadAccount, ReportedQueue
@@ -78,6 +79,8 @@ class RouterService:
         self.responses = ResponseStore(config.stored_responses)
         """The responses relayed, for follow-ups (``router.response_store``: the HTTP API keeps it)."""
         self.sessions = Sessions(config.session_ttl_s, config.max_sessions, clock)
+        self.rates = EngineRates()
+        """Each engine's speed, learned from its answers (``router.engine_rates``), weighed by the policy."""
         self._lock = threading.Lock()
         self._loads: dict[int, RankLoad] = {}
         self._loads_at = float("-inf")
@@ -141,6 +144,7 @@ class RouterService:
 
     def _forget(self, rank: int) -> None:
         """The feed dropped ``rank``: its load, what was dispatched to it and the policy's memory of it go."""
+        self.rates.forget(rank)
         with self._lock:
             self.account.forget(rank)
             self._loads.pop(rank, None)
@@ -210,7 +214,7 @@ class RouterService:
             reported = {r: ReportedQueue(load.queued_requests, load.running_requests, load.queued_prefill_tokens)
                         .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
             return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
-                                    self.sessions.blocks_by_rank())
+                                    self.sessions.blocks_by_rank(), self.rates.prefill())
 
     # ------------------------------------------------------------------ serving
 
@@ -310,9 +314,11 @@ class RouterService:
                 dispatch = self._dispatch(req, rank, predicted)
                 try:
                     engine = self.engines.engine(rank)
+                    t0 = time.perf_counter()
                     if stream is not None:
                         chunks = engine.stream(job)
                         first = next(chunks)
+                        first_s = time.perf_counter() - t0
                     else:
                         got = engine.generate(job)
                 except RankDiedError as e:
@@ -327,8 +333,9 @@ class RouterService:
                     raise
                 if stream is not None:
                     return self._relay(rank, predicted, migrated, req, job.n, dispatch, first, chunks, stream,
-                                       session)
+                                       session, t0, first_s)
                 self._finished(dispatch)
+                self._observe(rank, len(req.tokens), got.answer, got.cached_tokens, None, time.perf_counter() - t0)
                 if session is not None:
                     self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
                                          waits_on_tool(got.answer))
@@ -355,8 +362,11 @@ class RouterService:
                                 predicted, name, got.answer)
 
     def _relay(self, rank: int, predicted: int, migrated: int, req: RouteRequest, n: int, dispatch: Dispatch,
-               first: dict | str, chunks: Iterator[dict | str], held: Held, session: str | None) -> Streamed:
-        """The stream's chunks; its admission slot is given back when it ends (or when it is dropped unstarted)."""
+               first: dict | str, chunks: Iterator[dict | str], held: Held, session: str | None,
+               t0: float, first_s: float) -> Streamed:
+        """The stream's chunks; its admission slot is given back when it ends (or when it is dropped unstarted).
+        ``t0``: when it was sent, ``first_s`` after it the first chunk came (the engine's speed is learned from
+        them and the stream's end)."""
         cached, usage, tool = 0, {}, False
         try:
             for ev in itertools.chain((first,), chunks):
@@ -379,6 +389,14 @@ class RouterService:
             self._finished(dispatch)
             held.release()
         self.tally.served(rank, len(req.tokens), predicted, cached, migrated)
+        self._observe(rank, len(req.tokens), usage, cached, first_s, time.perf_counter() - t0)
+
+    def _observe(self, rank: int, prompt: int, answer: dict, cached: int, first_s: float | None,
+                 total_s: float) -> None:
+        """An answer from ``rank``: what it had to compute and decode, and how long it took."""
+        usage = answer.get("usage") or answer
+        output = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+        self.rates.observe(rank, prompt - cached, output, first_s, total_s)
 
     def _session_served(self, session: str, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
                         tool: bool) -> None:
@@ -493,7 +511,8 @@ class RouterService:
             loads = dict(self._loads)
             inflight = {r: self.account.inflight(r) for r in live}
         return cluster_report(self.policy.name, self.config.tokens_per_block, live, self.engines, self.feed,
-                              loads, inflight, self.tally, self.admission.tenants(), self.sessions.stats())
+                              loads, inflight, self.tally, self.admission.tenants(), self.sessions.stats(),
+                              self.rates)
 
     def close(self) -> None:
         self.feed.close()

@@ -53,12 +53,17 @@ class RankState:
     session_blocks: int = 0
     """Device blocks live sessions (``router.sessions``) left here for their next turn: free in the rank's books,
     occupied in ``kv``'s (its protection term)."""
+    prefill_s_per_token: float = 0.0
+    """Seconds the rank takes per uncached prompt token, learned from its answers (``router.engine_rates``); 0: not
+    learned yet, a policy's own figure stands."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "queued_requests", "queued_prefill_tokens", "running_requests",
                      "running_decode_blocks", "kv_used_blocks", "kv_total_blocks", "dispatched_blocks",
                      "session_blocks"):
             _nonneg_int(getattr(self, name), name)
+        if type(self.prefill_s_per_token) not in (int, float) or not 0 <= self.prefill_s_per_token < math.inf:
+            raise ValueError(f"prefill_s_per_token must be a finite number >= 0, got {self.prefill_s_per_token!r}")
         if type(self.alive) is not bool or type(self.migratable) is not bool:
             raise TypeError("alive and migratable must be bools")
         if self.kv_total_blocks and self.kv_used_blocks > self.kv_total_blocks:

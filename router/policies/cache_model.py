@@ -6,7 +6,8 @@ The router sees every request it sends, so it can keep the same order per rank:
 ``touch`` makes a request's blocks most recent on its rank (its prompt's full
 blocks by hash, the rest of its blocks to completion as blocks nobody reuses),
 and a rank holds at most its capacity, the oldest falling out as they would
-there. What a placement would push out is then the rank's oldest blocks, and
+there (a request's blocks are freed tail first, so its first block is the last of
+them to go). What a placement would push out is then the rank's oldest blocks, and
 their worth is how likely each is to be asked for again: a block seen by
 ``c`` requests over ``t`` requests since its first has been reused ``(c - 1) / t``
 per request; over the ``a`` requests it has already waited, that rate makes
@@ -58,7 +59,9 @@ class CacheModel:
         self._now += 1
         now = self._now
         lru = self._ranks.setdefault(rank, OrderedDict())
-        for h in hashes:
+        for _ in range(other_blocks):
+            lru[("other", next(self._anonymous))] = now
+        for h in reversed(hashes):   # an engine frees a request's blocks tail first: its first block goes last
             seen = self._seen.get(h)
             if seen is None:
                 self._seen[h] = _Seen(1, now)
@@ -66,13 +69,24 @@ class CacheModel:
                 seen.count += 1
             lru[h] = now
             lru.move_to_end(h)
-        for _ in range(other_blocks):
-            lru[("other", next(self._anonymous))] = now
         limit = min(capacity, self._max) if capacity else self._max
         while len(lru) > limit:
             key, _ = lru.popitem(last=False)
             if type(key) is int and not any(key in other for r, other in self._ranks.items() if r != rank):
                 self._seen.pop(key, None)
+
+    def recent_prefix(self, rank: int, hashes: Sequence[int], within: int) -> int:
+        """How many of ``hashes``, from the first, the router sent to ``rank`` within the last ``within`` requests."""
+        lru = self._ranks.get(rank)
+        if not lru or within <= 0:
+            return 0
+        oldest, k = self._now - within, 0
+        for h in hashes:   # bounded by the prompt's blocks
+            last = lru.get(h)
+            if last is None or last <= oldest:
+                break
+            k += 1
+        return k
 
     def eviction_value(self, rank: int, blocks: int, keep: Collection[int]) -> float:
         """Expected reuses lost if ``blocks`` more of ``rank``'s oldest blocks (none in ``keep``) were evicted."""

@@ -1,6 +1,7 @@
 """Ours: the rank with the lowest estimated time to first token, optionally after pulling the prefix over.
 
-Cost of serving on rank r, in seconds::
+Cost of serving on rank r, in seconds (``prefill`` is the rank's own, learned from its answers, where the
+router has learned it: ``RankState.prefill_s_per_token``)::
 
     queued_prefill_tokens * prefill + running_decode_blocks * decode        (its load)
     + (prompt tokens - matched blocks * block size) * prefill               (what it must compute)
@@ -72,12 +73,20 @@ class KvCostModel:
     eviction_weight: float = 1.0
     """A placement that would push a rank's least recently used blocks out pays this multiple of their expected
     reuses' prefill (0: what a placement evicts is not weighed)."""
+    queue_weight: float = 0.5
+    """A prompt's prefill on a rank also delays the requests in flight there that run beside it: its compute is
+    weighed at ``1 + queue_weight * in-flight requests`` times its seconds (0: its own seconds only)."""
+    recent_requests: int = 32
+    """A prefix the router sent to a rank within this many requests counts as held there though the index does not
+    show it yet: its request may still be computing it, and the engine publishes it after (0: the index alone)."""
     occupancy_weight: float = 0.5
     """Each block a placement adds to a rank pays this multiple of a block's prefill times the share of the rank's
     blocks then in use: room is worth more where little is left, so new prefixes spread over the cluster's caches
     before any of them has to evict (0: free room is free)."""
 
     def __post_init__(self) -> None:
+        if type(self.recent_requests) is not int:
+            raise TypeError(f"recent_requests must be an int, got {type(self.recent_requests).__name__}")
         if type(self.allow_migration) is not bool:
             raise TypeError(f"allow_migration must be a bool, got {type(self.allow_migration).__name__}")
         check_nonneg_numbers(self, skip=("allow_migration",))
@@ -102,17 +111,20 @@ class KvPolicy(ConfiguredPolicy):
         bs, n = request.tokens_per_block, len(request.tokens)
         empty = PrefixMatch(0, 0, 0)
         match = {s.rank: matches.get(s.rank, empty) for s in live}
-        load = {s.rank: s.queued_prefill_tokens * c.prefill_s_per_token
+        prefill = {s.rank: s.prefill_s_per_token or c.prefill_s_per_token for s in live}
+        load = {s.rank: s.queued_prefill_tokens * prefill[s.rank]
                 + s.running_decode_blocks * c.decode_s_per_block for s in live}
-        scores = {r: load[r] + (n - m.matched_tokens) * c.prefill_s_per_token
-                  + m.host_blocks * c.onboard_s_per_block for r, m in match.items()}
-        held = {r: m.matched_tokens for r, m in match.items()}
+        held = {r: max(m.matched_tokens, self._cache.recent_prefix(r, request.block_hashes, c.recent_requests) * bs)
+                for r, m in match.items()}
+        delays = {s.rank: 1.0 + c.queue_weight * s.inflight_requests for s in live}
+        scores = {r: load[r] + (n - held[r]) * prefill[r] * delays[r] + m.host_blocks * c.onboard_s_per_block
+                  for r, m in match.items()}
         own = request.session
         if own is not None and held.get(own.rank) == 0:
             lag = min(own.held_tokens, n - 1)
             held[own.rank] = lag
-            scores[own.rank] -= lag * c.prefill_s_per_token * c.affinity_weight
-        evicts = _Evictions(request, c, {s.rank: s for s in live}, self._cache)
+            scores[own.rank] -= lag * prefill[own.rank] * c.affinity_weight
+        evicts = _Evictions(request, c, {s.rank: s for s in live}, self._cache, prefill)
         for r in scores:
             scores[r] += evicts.cost(r, held[r])
         migrations: dict[int, tuple[int, int]] = {}   # target -> (source, blocks moved)
@@ -120,14 +132,13 @@ class KvPolicy(ConfiguredPolicy):
         if c.allow_migration and len(movable) > 1:
             src = max(movable, key=lambda r: (match[r].matched_blocks, -scores[r]))
             top = match[src].matched_blocks
-            tail = (n - top * bs) * c.prefill_s_per_token
             for r, m in match.items():
                 moved = top - m.matched_blocks
                 if r not in movable:
                     continue
                 if moved <= 0:
                     continue
-                cost = (load[r] + tail + m.host_blocks * c.onboard_s_per_block
+                cost = (load[r] + (n - top * bs) * prefill[r] + m.host_blocks * c.onboard_s_per_block
                         + c.migrate_setup_s + moved * c.migrate_s_per_block + evicts.cost(r, top * bs))
                 if cost < scores[r]:
                     scores[r] = cost
@@ -150,11 +161,13 @@ class _Evictions:
     """What placing ``request`` on a rank costs in the blocks it would evict there: live sessions' (protection) and
     the rank's least recently used (capacity); see the module docstring."""
 
-    __slots__ = ("blocks", "cache", "config", "keep", "request", "states")
+    __slots__ = ("blocks", "cache", "config", "keep", "prefill", "request", "states")
 
     def __init__(self, request: RouteRequest, config: KvCostModel, states: Mapping[int, RankState],
-                 cache: CacheModel) -> None:
+                 cache: CacheModel, prefill: Mapping[int, float]) -> None:
         self.request, self.config, self.states, self.cache = request, config, states, cache
+        self.prefill = prefill
+        """Each rank's seconds per prompt token: what recomputing an evicted block costs there."""
         self.blocks = -(-(len(request.tokens) + request.max_tokens) // request.tokens_per_block)
         """The request's blocks to completion."""
         self.keep = frozenset(request.block_hashes)
@@ -164,19 +177,23 @@ class _Evictions:
         s, c, own = self.states[rank], self.config, self.request.session
         if not s.kv_total_blocks:
             return 0.0
-        bs = self.request.tokens_per_block
+        bs, p = self.request.tokens_per_block, self.prefill[rank]
         new = self.blocks - held_tokens // bs
         seconds = 0.0
         protected = s.session_blocks - (own.blocks if own is not None and own.rank == rank else 0)
         if protected > 0 and c.protection_weight:
             free = s.kv_total_blocks - max(s.kv_used_blocks, s.dispatched_blocks) - protected
             evicted = min(protected, max(0, new - max(free, 0)))
-            seconds += evicted * bs * c.prefill_s_per_token * c.protection_weight
+            seconds += evicted * bs * p * c.protection_weight
+        if new <= 0:
+            return seconds
         used = max(self.cache.held(rank), s.kv_used_blocks)
+        filled = min(1.0, (used + new) / s.kv_total_blocks)
         if c.eviction_weight:
-            reuses = self.cache.eviction_value(rank, new - max(s.kv_total_blocks - used, 0), self.keep)
-            seconds += reuses * bs * c.prefill_s_per_token * c.eviction_weight
-        if c.occupancy_weight and new > 0:
-            filled = min(1.0, (used + new) / s.kv_total_blocks)
-            seconds += new * bs * c.prefill_s_per_token * c.occupancy_weight * filled
+            now = new - max(s.kv_total_blocks - used, 0)
+            evicted = self.cache.eviction_value(rank, now, self.keep)
+            later = self.cache.eviction_value(rank, new, self.keep) - evicted
+            seconds += (evicted + filled * later) * bs * p * c.eviction_weight
+        if c.occupancy_weight:
+            seconds += new * bs * p * c.occupancy_weight * filled
         return seconds

@@ -1,0 +1,458 @@
+"""kvledger's ``kv`` against SGLang's and vLLM's own routers, in front of the same real vLLM servers, caches full.
+
+The routing issue's bench. N vLLM 0.32 CPU servers on the tiny checkpoint, each
+with ``--num-gpu-blocks-override`` KV blocks of 32 tokens (so that together they
+hold a workload's working set and one of them does not), OpenMP threads bound to
+a core each (engine i on core i mod the machine's cores), ``--enable-scale-out``
+(vllm-router tokenizes through the render endpoints it serves). One workload of
+``replay.workloads`` (``docs`` by default) goes, as text, through each router in
+turn, every one a process of its own:
+
+- ``kvledger``: the kvledger router with ``--policy kv`` (subscribed to the servers' ZMQ events);
+- ``sglang-router``: ``cache_aware``;
+- ``vllm-router``: ``kv_aware`` (fed the same ZMQ events), ``cache_aware`` and ``round_robin``.
+
+The peer routers come from PyPI at the versions below, into a virtual
+environment of their own (built on first use); they are never kvledger's
+dependencies. Before each router the servers' prefix caches are reset. Every
+figure comes from the engines: the hit rate and the requests per engine from the
+deltas of their ``/metrics`` (``vllm:prefix_cache_hits_total`` over
+``vllm:prompt_tokens_total``; each router's one-token warm-up completion is among
+them), TTFT from the first streamed chunk.
+
+``--slow`` runs each router a second time with engine 0 slowed by another
+tenant's long decodes sent to it directly (``--slow-streams`` at once), which the
+routers must learn from the engine's answers and metrics; that tenant's own
+prompt and cached tokens (from its answers) are taken out of engine 0's figures.
+
+The offline bound is the best static split of the workload's prefixes over the
+engines: each prefix (a request's first block) pinned to one engine, each engine
+an LRU of its blocks, the best hit rate over greedy placements (by traffic, by
+size) of the prefixes onto the engines' capacities.
+
+    python benchmarks/bench_routers.py [--engines 2] [--blocks 200] [--workload docs] [--slow] [--vllm URL ...]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import venv
+from collections import OrderedDict, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+_REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
+from vllm_engines import VllmServer, cache_root, free_port, vllm_python, write_tiny_checkpoint  # noqa: E402
+
+from kvledger.replay.trace import Trace  # noqa: E402
+from kvledger.replay.workloads import WORKLOADS, WorkloadConfig, workload  # noqa: E402
+
+BLOCK = 32
+PEER_PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+HTTP_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0
+#: The routers, in the order they run: (name, the command after its executable, given urls, events, port).
+ROUTERS = ("kvledger kv", "sglang-router cache_aware", "vllm-router kv_aware", "vllm-router cache_aware",
+           "vllm-router round_robin")
+
+
+# ---------------------------------------------------------------------------------------------- the workload
+
+def block_text(block_id: int) -> str:
+    """The ``BLOCK`` characters trace block ``block_id`` stands for: deterministic, lower-case words."""
+    rng = random.Random(block_id * 7919 + 1)
+    chars = []
+    while len(chars) < BLOCK:
+        chars.extend(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
+        chars.append(" ")
+    return "".join(chars[:BLOCK])
+
+
+def prompt_text(ids: tuple[int, ...], length: int) -> str:
+    """A request's text: its blocks' characters cut to ``length``. The tiny checkpoint's byte tokenizer makes it
+    ``<s>`` and one token per character, so two prompts share whole blocks exactly where their ids agree."""
+    return "".join(block_text(i) for i in ids)[:length]
+
+
+def offline_bound(trace: Trace, capacities: list[int]) -> float:
+    """The best static split's hit rate (module docstring), over the prompt tokens, at ``BLOCK``-token blocks."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, r in enumerate(trace.requests):
+        groups[r.hash_ids[0]].append(i)
+    sizes = {g: len({b for i in idx for b in trace.requests[i].hash_ids}) for g, idx in groups.items()}
+
+    def hits(order: list[int]) -> int:
+        load = [0] * len(capacities)
+        home: dict[int, int] = {}
+        for g in order:   # onto the engine with the most room left, relative to its capacity
+            e = max(range(len(capacities)), key=lambda k: (capacities[k] - load[k]) / capacities[k])
+            home[g] = e
+            load[e] += sizes[g]
+        caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
+        total = 0
+        for r in trace.requests:
+            e = home[r.hash_ids[0]]
+            lru, full = caches[e], (r.input_length - 1) // BLOCK
+            held = 0
+            for b in r.hash_ids[:full]:
+                if b not in lru:
+                    break
+                held += 1
+            total += held * BLOCK
+            for b in (("out", id(r)), *reversed(r.hash_ids)):   # freed tail first, as vLLM frees them
+                lru[b] = None
+                lru.move_to_end(b)
+            while len(lru) > capacities[e]:
+                lru.popitem(last=False)
+        return total
+
+    by_traffic = sorted(groups, key=lambda g: -len(groups[g]) * sizes[g])
+    by_size = sorted(groups, key=lambda g: -sizes[g])
+    prompt = sum(r.input_length + 1 for r in trace.requests)   # and each its <s>
+    return max(hits(by_traffic), hits(by_size)) / prompt
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+@dataclass
+class EngineCounts:
+    """One server's counters from ``/metrics``."""
+
+    prompt: float = 0.0
+    hits: float = 0.0
+    requests: float = 0.0
+
+    @classmethod
+    def read(cls, client: httpx.Client, url: str) -> EngineCounts:
+        c = cls()
+        for family in text_string_to_metric_families(client.get(f"{url}/metrics").text):
+            for s in family.samples:
+                if s.name == "vllm:prompt_tokens_total":
+                    c.prompt += s.value
+                elif s.name == "vllm:prefix_cache_hits_total":
+                    c.hits += s.value
+                elif s.name == "vllm:request_success_total":
+                    c.requests += s.value
+        return c
+
+    def since(self, before: EngineCounts) -> EngineCounts:
+        return EngineCounts(self.prompt - before.prompt, self.hits - before.hits, self.requests - before.requests)
+
+
+def start_servers(work: Path, count: int, blocks: int) -> list[VllmServer]:
+    python = vllm_python()
+    model = write_tiny_checkpoint(work / "tiny", python)
+    cpus = sorted(os.sched_getaffinity(0))
+    servers = []
+    for i in range(count):
+        (work / f"e{i}").mkdir()
+        servers.append(VllmServer(python, model, work / f"e{i}", block_size=BLOCK, cores=str(cpus[i % len(cpus)]),
+                                  args=("--num-gpu-blocks-override", str(blocks), "--enable-scale-out")))
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def peer_venv() -> Path:
+    """The peer routers' virtual environment (built once, from ``PEER_PINS``): its ``bin``."""
+    root = cache_root() / ("peer-routers-" + "-".join(p.split("==")[1] for p in PEER_PINS))
+    done = root / ".kvledger-pip-install-done"
+    if not done.exists():
+        venv.create(root, with_pip=True, clear=True)
+        subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", *PEER_PINS], check=True,
+                       timeout=1800)
+        done.touch()
+    return root / "bin"
+
+
+# ---------------------------------------------------------------------------------------------- routers
+
+def serve_kvledger(spec: dict) -> None:
+    """The kvledger router alone, in this process (``--serve-router``): its port on stdout, serving until stdin
+    closes."""
+    from kvledger.router.config import RouterConfig
+    from kvledger.router.http import HttpServer, make_app
+    from kvledger.router.service import RouterService
+
+    service = RouterService(None, RouterConfig(tokens_per_block=BLOCK, policy=spec["policy"],
+                                               vllm=tuple(spec["urls"])))
+    service.refresh_loads(force=True)
+    stop = threading.Event()
+
+    def maintain() -> None:   # what the router actor of ``kvledger up`` does every health interval
+        while not stop.wait(1.0):
+            service.check_health()
+            service.refresh_loads(force=True)
+
+    threading.Thread(target=maintain, daemon=True).start()
+    server = HttpServer(make_app(service), port=0).start()
+    print(server.port, flush=True)
+    sys.stdin.read()
+    stop.set()
+    server.stop()
+    service.close()
+
+
+class RouterProcess:
+    """One router in a process of its own, stopped by its own process id."""
+
+    def __init__(self, name: str, servers: list[str], events: list[str], model: str) -> None:
+        kind, policy = name.split()
+        self.name = name
+        port = 0 if kind == "kvledger" else free_port()
+        if kind == "kvledger":
+            cmd = [sys.executable, __file__, "--serve-router", json.dumps({"policy": policy, "urls": servers})]
+        else:
+            bin_ = peer_venv()
+            cmd = ([str(bin_ / "sglang-router"), "launch"] if kind == "sglang-router" else [str(bin_ / "vllm-router")])
+            cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *servers,
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+            if policy == "kv_aware":
+                cmd += [a for url, ep in zip(servers, events) for a in ("--kv-event-source", f"{url}={ep}")]
+                cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", model]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-router-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE if port == 0 else self.log,
+                                     stderr=self.log, text=True, start_new_session=True)
+        if port == 0:
+            line = self.proc.stdout.readline()
+            if not line.strip().isdigit():
+                self.close()
+                raise RuntimeError(f"{name} did not start: {self.tail()}")
+            port = int(line)
+        self.url = f"http://127.0.0.1:{port}"
+        self._wait(model)
+
+    def _wait(self, model: str) -> None:
+        """Until a one-token completion goes through (every worker found healthy)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with httpx.Client(timeout=10.0) as c:
+            while time.monotonic() < deadline:   # bounded by the deadline
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}")
+                try:
+                    r = c.post(f"{self.url}/v1/completions", json={"model": model, "prompt": "warm", "max_tokens": 1})
+                    if r.status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        self.close()
+        raise TimeoutError(f"{self.name} not serving after {START_TIMEOUT_S:g} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-2000:]
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+@dataclass
+class RunResult:
+    router: str
+    ttft: list[float] = field(default_factory=list)
+    failed: int = 0
+    counts: list[EngineCounts] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def hit_rate(self) -> float:
+        prompt = sum(c.prompt for c in self.counts)
+        return sum(c.hits for c in self.counts) / prompt if prompt else 0.0
+
+
+class Background:
+    """Another tenant's long decodes sent straight to one engine, ``streams`` at once, until stopped."""
+
+    def __init__(self, url: str, model: str, streams: int, seed: int) -> None:
+        self.url, self.model, self.stop_ = url, model, threading.Event()
+        self.prompt = self.cached = 0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(seed * 100 + i,), daemon=True)
+                        for i in range(streams)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as c:
+            while not self.stop_.is_set():   # bounded: stopped after the run
+                text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(40))
+                r = c.post(f"{self.url}/v1/completions", json={"model": self.model, "prompt": text,
+                                                               "max_tokens": 256, "ignore_eos": True})
+                u = r.json().get("usage") or {}
+                with self._lock:
+                    self.prompt += int(u.get("prompt_tokens") or 0)
+                    self.cached += int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+    def close(self) -> None:
+        self.stop_.set()
+        for t in self.threads:
+            t.join(timeout=HTTP_TIMEOUT_S)
+
+
+def replay(router: RouterProcess, trace: Trace, model: str, concurrency: int) -> tuple[list[float], int]:
+    """The trace through ``router`` at its arrival times, at most ``concurrency`` at once: TTFTs, failures."""
+    ttft: list[float] = []
+    failed = 0
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def one(i: int, client: httpx.Client) -> None:
+        nonlocal failed
+        r = trace.requests[i]
+        body = {"model": model, "prompt": prompt_text(r.hash_ids, r.input_length), "max_tokens": r.output_length,
+                "stream": True, "ignore_eos": True}
+        start = time.perf_counter()
+        try:
+            with client.stream("POST", f"{router.url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"HTTP {resp.status_code}")
+                first = None
+                for line in resp.iter_lines():
+                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                        first = time.perf_counter() - start
+            with lock:
+                ttft.append(first if first is not None else float("nan"))
+        except Exception:  # a failed request is counted, never fatal to the run
+            with lock:
+                failed += 1
+
+    with httpx.Client(timeout=HTTP_TIMEOUT_S, limits=httpx.Limits(max_connections=concurrency)) as client, \
+            ThreadPoolExecutor(concurrency) as pool:
+        futures = []
+        for i, r in enumerate(trace.requests):   # bounded: one pass
+            wait = r.timestamp_s - (time.perf_counter() - t0)
+            if wait > 0:
+                time.sleep(wait)
+            futures.append(pool.submit(one, i, client))
+        for f in futures:
+            f.result(timeout=HTTP_TIMEOUT_S * 2)
+    return ttft, failed
+
+
+def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace, concurrency: int,
+        slow_streams: int) -> RunResult:
+    with httpx.Client(timeout=30.0) as c:
+        for url in urls:
+            c.post(f"{url}/reset_prefix_cache").raise_for_status()
+        before = [EngineCounts.read(c, u) for u in urls]
+    router = RouterProcess(name, urls, events, model)
+    background = Background(urls[0], model, slow_streams, 1) if slow_streams else None
+    try:
+        if background is not None:
+            time.sleep(1.0)   # the other tenant's decodes under way
+        t0 = time.perf_counter()
+        ttft, failed = replay(router, trace, model, concurrency)
+        wall = time.perf_counter() - t0
+    finally:
+        if background is not None:
+            background.close()
+        router.close()
+    time.sleep(0.5)   # the last counters in
+    with httpx.Client(timeout=30.0) as c:
+        counts = [EngineCounts.read(c, u).since(b) for u, b in zip(urls, before)]
+    if background is not None:
+        counts[0].prompt -= background.prompt
+        counts[0].hits -= background.cached
+    return RunResult(name, ttft, failed, counts, wall)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.nanpercentile(xs, q)) if xs else float("nan")
+
+
+def report(title: str, results: list[RunResult], bound: float) -> None:
+    print(f"\n{title}")
+    print(f"{'router':<26} {'hit rate':>8} {'/bound':>7} {'requests per engine':>22} {'TTFT p50':>9} {'p90':>7} "
+          f"{'p99':>7} {'req/s':>6} {'failed':>6}")
+    for r in results:
+        split = " / ".join(f"{c.requests:.0f}" for c in r.counts)
+        n = len(r.ttft)
+        print(f"{r.router:<26} {r.hit_rate():>8.1%} {r.hit_rate() / bound:>7.2f} {split:>22} {pct(r.ttft, 50):>8.3f}s "
+              f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {n / r.wall_s:>6.1f} {r.failed:>6}")
+    ours = results[0]
+    peers = results[1:]
+    if peers:
+        best_hit = max(p.hit_rate() for p in peers)
+        best_p90 = min(pct(p.ttft, 90) for p in peers)
+        print(f"kv / best peer: hit rate {ours.hit_rate() / best_hit:.3f} (goal >= 1), TTFT p90 "
+              f"{pct(ours.ttft, 90) / best_p90:.3f} (goal <= 1); kv / offline bound {ours.hit_rate() / bound:.3f} "
+              f"(goal >= 0.95); offline bound {bound:.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=200, help="KV blocks per engine (--num-gpu-blocks-override)")
+    ap.add_argument("--workload", default="docs", choices=sorted(WORKLOADS))
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=None,
+                    help="requests per second offered (default: a closed loop, --concurrency always in flight)")
+    ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, of: " + ", ".join(ROUTERS))
+    ap.add_argument("--slow", action="store_true", help="also run with engine 0 slowed by another tenant")
+    ap.add_argument("--slow-streams", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm", action="append", metavar="URL", help="servers already running (started as above)")
+    ap.add_argument("--serve-router", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_router:
+        serve_kvledger(json.loads(args.serve_router))
+        return
+    routers = args.routers.split(",")
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown or routers[0] != ROUTERS[0]:
+        ap.error(f"--routers: the first is {ROUTERS[0]!r}, each one of {ROUTERS}; got {unknown or routers}")
+    trace = workload(args.workload, WorkloadConfig(block_size=BLOCK, rate_per_s=args.rate or 1.0, seed=args.seed))
+    if args.rate is None:
+        trace = Trace(trace.name, trace.block_size, [dataclasses.replace(r, timestamp_s=0.0) for r in trace.requests])
+    bound = offline_bound(trace, [args.blocks] * (len(args.vllm) if args.vllm else args.engines))
+    with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
+        servers = [] if args.vllm else start_servers(Path(tmp), args.engines, args.blocks)
+        try:
+            urls = args.vllm or [s.url for s in servers]
+            with httpx.Client(timeout=10.0) as c:
+                model = c.get(f"{urls[0]}/v1/models").json()["data"][0]["id"]
+                sources = [c.get(f"{u}/kv_event_sources").json()["0"]["endpoint"] for u in urls]
+            events = [ep.replace("*", "127.0.0.1") for ep in sources]
+            modes = [("even", 0)] + ([("engine 0 slowed", args.slow_streams)] if args.slow else [])
+            for mode, streams in modes:
+                results = [run(name, urls, events, model, trace, args.concurrency, streams) for name in routers]
+                offered = f"at {args.rate:g}/s" if args.rate else "in a closed loop"
+                report(f"{trace.name}, {len(trace.requests)} requests {offered}, {args.concurrency} in flight; "
+                       f"{len(urls)} vLLM servers of {args.blocks} blocks of {BLOCK} tokens; {mode}", results, bound)
+        finally:
+            for s in servers:
+                s.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Each engine's speed learned from its answers (``router.engine_rates``), and ``kv`` weighing it."""
+from __future__ import annotations
+
+import pytest
+
+from kvledger.router.engine_rates import MIN_SAMPLES, EngineRates
+from kvledger.router.policies import KvCostModel, KvPolicy, RankState, RouteRequest
+
+
+def test_the_prefill_slope_is_fitted_past_the_overhead_and_follows_an_engine_that_slows():
+    rates = EngineRates()
+    for i in range(MIN_SAMPLES - 1):
+        rates.observe(3, 100 * (i + 1), 1, 0.010 + 100 * (i + 1) * 2e-5, 0.02)
+    assert rates.rate(3) is None and rates.prefill() == {}   # too few answers: the policy's own figure stands
+    for i in range(20):
+        computed = 50 + 40 * (i % 10)
+        rates.observe(3, computed, 1, 0.010 + computed * 2e-5, 0.05)
+    assert rates.rate(3).prefill_s_per_token == pytest.approx(2e-5, rel=1e-6)
+    for i in range(60):   # another tenant's decodes: every prompt token now takes five times as long
+        computed = 50 + 40 * (i % 10)
+        rates.observe(3, computed, 1, 0.010 + computed * 1e-4, 0.05)
+    assert rates.rate(3).prefill_s_per_token == pytest.approx(1e-4, rel=0.05)
+    rates.forget(3)
+    assert rates.rate(3) is None
+
+
+def test_streams_teach_the_decode_rate_and_whole_completions_use_it():
+    rates = EngineRates()
+    for _ in range(10):
+        rates.observe(0, 200, 11, 0.005 + 200 * 3e-5, 0.005 + 200 * 3e-5 + 10 * 0.002)
+    r = rates.rate(0)
+    assert r.decode_s_per_token == pytest.approx(0.002) and r.samples == 10
+    for i in range(30):   # no first chunk: the end less ten decode steps
+        computed = 100 + 50 * (i % 5)
+        rates.observe(0, computed, 11, None, 0.005 + computed * 3e-5 + 10 * 0.002)
+    assert rates.rate(0).prefill_s_per_token == pytest.approx(3e-5, rel=1e-3)
+
+
+def test_kv_sends_a_miss_to_the_engine_it_learned_is_faster():
+    prompt = RouteRequest.of(list(range(100, 300)), 16, max_tokens=0)
+    slow_first = [RankState(0, prefill_s_per_token=1e-4), RankState(1, queued_prefill_tokens=20)]
+    assert KvPolicy(KvCostModel(prefill_s_per_token=5e-5)).route(prompt, slow_first, {}).rank == 1
+    unknown = [RankState(0), RankState(1, queued_prefill_tokens=20)]
+    assert KvPolicy(KvCostModel(prefill_s_per_token=5e-5)).route(prompt, unknown, {}).rank == 0
+    with pytest.raises(ValueError, match="prefill_s_per_token"):
+        RankState(0, prefill_s_per_token=-1.0)

@@ -1,7 +1,7 @@
 """Ours: the rank with the lowest estimated time to first token, optionally after pulling the prefix over.
 
-Cost of serving on rank r, in seconds (``prefill`` is the rank's own, learned from its answers, where the
-router has learned it: ``RankState.prefill_s_per_token``)::
+Cost of serving on rank r, in seconds (``prefill`` is the configured figure scaled by the rank's speed relative
+to the others', once the router has learned every rank's from its answers: ``RankState.prefill_s_per_token``)::
 
     queued_prefill_tokens * prefill + running_decode_blocks * decode        (its load)
     + (prompt tokens - matched blocks * block size) * prefill               (what it must compute)
@@ -111,7 +111,7 @@ class KvPolicy(ConfiguredPolicy):
         bs, n = request.tokens_per_block, len(request.tokens)
         empty = PrefixMatch(0, 0, 0)
         match = {s.rank: matches.get(s.rank, empty) for s in live}
-        prefill = {s.rank: s.prefill_s_per_token or c.prefill_s_per_token for s in live}
+        prefill = _prefill_rates(live, c.prefill_s_per_token)
         load = {s.rank: s.queued_prefill_tokens * prefill[s.rank]
                 + s.running_decode_blocks * c.decode_s_per_block for s in live}
         held = {r: max(m.matched_tokens, self._cache.recent_prefix(r, request.block_hashes, c.recent_requests) * bs)
@@ -155,6 +155,21 @@ class KvPolicy(ConfiguredPolicy):
 
     def on_rank_removed(self, rank: int) -> None:
         self._cache.forget(rank)
+
+
+#: How far apart learned speeds may set two ranks' prefill figures (a few noisy answers never make one free).
+SPEED_SPREAD = 4.0
+
+
+def _prefill_rates(live: Sequence[RankState], prior: float) -> dict[int, float]:
+    """Each rank's seconds per prompt token: ``prior`` scaled by its learned speed relative to the median rank's,
+    once every live rank has one (``RankState.prefill_s_per_token``); until then ``prior`` for all, so that the
+    rank answering first does not look faster than the rest for want of their answers."""
+    learned = [s.prefill_s_per_token for s in live]
+    if len(live) < 2 or not all(learned):
+        return {s.rank: prior for s in live}
+    median = sorted(learned)[len(learned) // 2]
+    return {s.rank: prior * min(SPEED_SPREAD, max(1 / SPEED_SPREAD, s.prefill_s_per_token / median)) for s in live}
 
 
 class _Evictions:

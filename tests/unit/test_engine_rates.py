@@ -36,11 +36,14 @@ def test_streams_teach_the_decode_rate_and_whole_completions_use_it():
     assert rates.rate(0).prefill_s_per_token == pytest.approx(3e-5, rel=1e-3)
 
 
-def test_kv_sends_a_miss_to_the_engine_it_learned_is_faster():
+def test_kv_sends_a_miss_to_the_engine_it_learned_is_slower_only_once_it_knows_every_engine():
     prompt = RouteRequest.of(list(range(100, 300)), 16, max_tokens=0)
-    slow_first = [RankState(0, prefill_s_per_token=1e-4), RankState(1, queued_prefill_tokens=20)]
-    assert KvPolicy(KvCostModel(prefill_s_per_token=5e-5)).route(prompt, slow_first, {}).rank == 1
-    unknown = [RankState(0), RankState(1, queued_prefill_tokens=20)]
-    assert KvPolicy(KvCostModel(prefill_s_per_token=5e-5)).route(prompt, unknown, {}).rank == 0
+    cost = KvCostModel(prefill_s_per_token=5e-5)
+    learned = [RankState(0, prefill_s_per_token=3e-4), RankState(1, queued_prefill_tokens=20, prefill_s_per_token=1e-4)]
+    d = KvPolicy(cost).route(prompt, learned, {})
+    # speeds relative to the median's (rank 0's here): rank 1 a third of the prior, rank 0 the prior
+    assert d.rank == 1 and d.scores == pytest.approx({0: 200 * 5e-5, 1: (20 + 200) * 5e-5 / 3})
+    half = [RankState(0, prefill_s_per_token=1e-5), RankState(1, queued_prefill_tokens=20)]
+    assert KvPolicy(cost).route(prompt, half, {}).rank == 0   # rank 1 unknown yet: the prior for both
     with pytest.raises(ValueError, match="prefill_s_per_token"):
         RankState(0, prefill_s_per_token=-1.0)

@@ -446,13 +446,15 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     def probe(body: ProbeBody, who: User) -> dict:
         _, tokens = service.models.encode(body.prompt, body.model)
         got = service.probe(tokens, lora_id=body.lora_id, cache_salt=who.salt(body.cache_salt), exact=body.exact)
-        foreign = service.feed.foreign_engines()
+        foreign, dp_ranks = service.feed.foreign_engines(), service.feed.foreign_dp_ranks()
         ranks = []
         for r, m in sorted(got.items()):
             entry = {"rank": r, "matched_tokens": m.matched_tokens,
                      "tiers": None if m.device_tokens is None else {"GPU": m.device_tokens, "CPU": m.host_tokens}}
             if r in foreign:
                 entry["vllm"] = foreign[r]   # a foreign engine's rank, named after its endpoint
+            if r in dp_ranks:
+                entry["data_parallel_rank"] = dp_ranks[r]
             ranks.append(entry)
         return {"exact": body.exact, "prompt_tokens": len(tokens), "ranks": ranks}
 

@@ -47,6 +47,10 @@ class RankReport:
     """The vLLM server's URL, for a rank that is one."""
     rejected: dict[str, int]
     """Events the index could not take from this rank, per reason (``router.rejections``)."""
+    data_parallel_rank: int | None = None
+    """Which engine core of its vLLM server it is, for a rank that is one of a data-parallel server's."""
+    onboard_s_per_block: float | None = None
+    """Seconds it measured to onboard one block from its host tier (``None``: not measured yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,10 @@ class ForeignReport:
     live: bool
     block_size: int
     rejected: dict[str, int]
+    data_parallel_rank: int | None = None
+    """Which engine core of its server it is (``None``: the server runs one)."""
+    host_blocks: int = 0
+    """Of ``index_blocks``, those the index holds on its host tier only (vLLM's CPU offloading)."""
 
 
 @dataclass(frozen=True, slots=True)

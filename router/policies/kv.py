@@ -6,6 +6,10 @@ Cost of serving on rank r, in seconds::
     + (prompt tokens - matched blocks * block size) * prefill               (what it must compute)
     + host blocks of the match * onboard                                    (what it must copy up)
 
+``onboard`` is the rank's own measurement where it has one (``RankState.onboard_s_per_block``: a vLLM
+engine's from its offloading metrics, ``router.vllm_onboard``), else ``KvCostModel.onboard_s_per_block``: a
+prefix found only on a rank's host tier is credited its prefill less what copying it up costs there.
+
 When the best-matching rank is loaded, another rank may do better by first
 receiving the blocks it lacks from it (KV migration): its own load and its own
 matched host blocks, the tokens beyond the source's match to compute, plus
@@ -44,7 +48,8 @@ class KvCostModel:
     prefill_s_per_token: float = 5e-5
     """Compute one prompt token (what a cache hit saves)."""
     onboard_s_per_block: float = 8e-5
-    """Copy one block from the rank's host tier to its device tier (about 2 MiB over PCIe)."""
+    """Copy one block from the rank's host tier to its device tier (about 2 MiB over PCIe), for a rank that has
+    measured none of its own."""
     migrate_s_per_block: float = 1e-4
     """Send one block from another rank (NCCL), per block."""
     migrate_setup_s: float = 2e-3
@@ -83,8 +88,10 @@ class KvPolicy(ConfiguredPolicy):
         match = {s.rank: matches.get(s.rank, empty) for s in live}
         load = {s.rank: s.queued_prefill_tokens * c.prefill_s_per_token
                 + s.running_decode_blocks * c.decode_s_per_block for s in live}
+        onboard = {s.rank: c.onboard_s_per_block if s.onboard_s_per_block is None else s.onboard_s_per_block
+                   for s in live}
         scores = {r: load[r] + (n - m.matched_tokens) * c.prefill_s_per_token
-                  + m.host_blocks * c.onboard_s_per_block for r, m in match.items()}
+                  + m.host_blocks * onboard[r] for r, m in match.items()}
         held = {r: m.matched_tokens for r, m in match.items()}
         own = request.session
         if own is not None and held.get(own.rank) == 0:
@@ -106,7 +113,7 @@ class KvPolicy(ConfiguredPolicy):
                     continue
                 if moved <= 0:
                     continue
-                cost = (load[r] + tail + m.host_blocks * c.onboard_s_per_block
+                cost = (load[r] + tail + m.host_blocks * onboard[r]
                         + c.migrate_setup_s + moved * c.migrate_s_per_block + evicts.cost(r, top * bs))
                 if cost < scores[r]:
                     scores[r] = cost

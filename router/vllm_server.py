@@ -172,18 +172,8 @@ class VllmServer:
             raise EngineUnreachableError(f"vLLM server {self.url}: GET /kv_event_sources: {e!r}") from e
 
     def load(self) -> EngineLoad:
-        """Its queue, KV usage and host-tier onboarding from ``/metrics``: this client's data-parallel rank's, or
-        summed over every engine core."""
-        text = self._get("/metrics").text
-        values = dict.fromkeys(("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                                *ONBOARD_SAMPLES), 0.0)
-        engine = None if self.dp_rank is None else str(self.dp_rank)
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name in values and (engine is None or s.labels.get("engine") == engine):
-                    values[s.name] += s.value
-        return EngineLoad(int(values["vllm:num_requests_waiting"]), int(values["vllm:num_requests_running"]),
-                          values["vllm:kv_cache_usage_perc"], OnboardMeter.of(values))
+        """Its queue, KV usage and host-tier onboarding from ``/metrics`` (``engine_load``)."""
+        return engine_load(self._get("/metrics").text, self.dp_rank)
 
     def tokenize(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
         """The server's own tokenization of ``text`` (``POST /tokenize``), special tokens as a completion adds
@@ -224,6 +214,20 @@ class VllmServer:
             raise RuntimeError(f"vLLM server {self.url} has no /reset_prefix_cache: start it with "
                                "VLLM_SERVER_DEV_MODE=1, or restart it to empty its cache")
         r.raise_for_status()
+
+
+def engine_load(metrics_text: str, dp_rank: int | None) -> EngineLoad:
+    """The load in a server's ``/metrics`` text: data-parallel rank ``dp_rank``'s samples (its ``engine`` label),
+    or every engine core's summed (``None``)."""
+    values = dict.fromkeys(("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                            *ONBOARD_SAMPLES), 0.0)
+    engine = None if dp_rank is None else str(dp_rank)
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name in values and (engine is None or s.labels.get("engine") == engine):
+                values[s.name] += s.value
+    return EngineLoad(int(values["vllm:num_requests_waiting"]), int(values["vllm:num_requests_running"]),
+                      values["vllm:kv_cache_usage_perc"], OnboardMeter.of(values))
 
 
 def _labels(metrics_text: str, name: str) -> dict[str, str]:

@@ -6,7 +6,6 @@ The router runs in this process with no ranks of its own. Every prompt starts wi
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
@@ -97,21 +96,16 @@ def test_the_router_sends_a_shared_prefix_to_the_core_holding_it(router, dp_serv
 
 
 def test_each_cores_load_is_its_own(router) -> None:
-    """A long generation on core 1 runs there: core 1's load shows it, core 0's does not."""
+    """A long generation streams from core 1: while it runs, core 1's load shows it and core 0's does not."""
     service, _ = router
     busy, idle = service.engines.engine(1001), service.engines.engine(1000)
-    job = Generation(10, prompt(8, 50), 400, fields={"temperature": 0, "ignore_eos": True})
-    done = threading.Event()
-    thread = threading.Thread(target=lambda: (busy.generate(job), done.set()), daemon=True)
-    thread.start()
+    chunks = busy.stream(Generation(10, prompt(8, 50), 1500, fields={"temperature": 0, "ignore_eos": True}))
+    next(chunks)   # it runs now
     deadline = time.monotonic() + LOAD_WAIT_S
-    seen = None
-    while not done.is_set() and time.monotonic() < deadline:   # bounded: LOAD_WAIT_S
-        seen = busy.load(), idle.load()
-        if seen[0].running_requests == 1:
-            break
+    seen = busy.load(), idle.load()
+    while seen[0].running_requests != 1 and time.monotonic() < deadline:   # bounded: LOAD_WAIT_S
         time.sleep(0.05)
-    assert seen is not None and seen[0].running_requests == 1, f"core 1 never reported the request: {seen}"
+        seen = busy.load(), idle.load()
+    assert seen[0].running_requests == 1, f"core 1 never reported the request: {seen}"
     assert seen[1].running_requests == 0 and seen[1].queued_requests == 0
-    thread.join(timeout=LOAD_WAIT_S)
-    assert done.is_set()
+    assert list(chunks)[-1] == "[DONE]"

@@ -148,6 +148,9 @@ class _ServiceCollector:
                                         labels=["rank"])
         rejected = CounterMetricFamily("kvledger_events_rejected", "Events the index could not take, per reason",
                                        labels=["rank", "reason"])
+        onboard = GaugeMetricFamily("kvledger_onboard_seconds_per_block",
+                                    "Seconds the rank measured to onboard one block from its host tier",
+                                    labels=["rank"])
         for r in report.ranks:
             rank = str(r.rank)
             if r.blocks is not None:
@@ -163,10 +166,13 @@ class _ServiceCollector:
             inflight.add_metric([rank], r.inflight_requests)
             predicted.add_metric([rank], r.predicted_tokens)
             delivered.add_metric([rank], r.cached_tokens)
+            if r.onboard_s_per_block is not None:
+                onboard.add_metric([rank], r.onboard_s_per_block)
         for rank, reasons in svc.feed.rejections.by_rank().items():
             for reason, n in reasons.items():
                 rejected.add_metric([str(rank), reason], n)
-        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight, predicted, delivered, rejected)
+        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight, predicted, delivered, rejected,
+                    onboard)
         t = report.router
         yield GaugeMetricFamily("kvledger_router_hit_rate", "Cached / prompt tokens over the router's completions",
                                 value=t.hit_rate)

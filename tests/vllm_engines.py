@@ -180,6 +180,12 @@ def write_tiny_checkpoint(path: Path, python: Path | None = None) -> Path:
     return path
 
 
+def engine_prompt(first: int, n: int) -> list[int]:
+    """``n`` token ids of the tiny model starting with ``first`` (a test's own, so no test finds another's cached
+    blocks); 3..258 are its bytes."""
+    return [first, *(3 + (first * 31 + i * 7) % 256 for i in range(n - 1))]
+
+
 def encode_like_engine(text: str) -> list[int]:
     """What the tiny checkpoint's tokenizer makes of ``text`` (``<s>``, then byte b as b + 3)."""
     return [BOS_ID, *(BYTE_OFFSET + b for b in text.encode())]

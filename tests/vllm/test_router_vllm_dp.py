@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from router_helpers import wait_indexed
+from router_helpers import over_http, wait_indexed
 from vllm_engines import START_TIMEOUT_S, EngineSpec, VllmServer, start_engines
+from vllm_engines import engine_prompt as prompt
 
 from kvledger.router.config import RouterConfig
 from kvledger.router.engine import Generation
-from kvledger.router.http import HttpServer, make_app
 from kvledger.router.service import RouterService
 
 pytestmark = pytest.mark.timeout(int(START_TIMEOUT_S) + 600)   # set-up starts the server
@@ -34,16 +34,8 @@ def dp_server(request, tmp_path_factory) -> VllmServer:
 @pytest.fixture(scope="module")
 def router(dp_server: VllmServer) -> Iterator[tuple[RouterService, httpx.Client]]:
     service = RouterService(None, RouterConfig(tokens_per_block=16, vllm=(dp_server.url,), policy="kv"))
-    server = HttpServer(make_app(service), port=0).start()
-    with httpx.Client(base_url=server.url, timeout=120.0) as client:
+    with over_http(service) as client:
         yield service, client
-    server.stop()
-    service.close()
-
-
-def prompt(first: int, n: int) -> list[int]:
-    """``n`` token ids of the tiny model starting with ``first`` (a test's own); 3..258 are its bytes."""
-    return [first, *(3 + (first * 31 + i * 11) % 256 for i in range(n - 1))]
 
 
 def held(service: RouterService, tokens: list[int]) -> dict[int, int]:

@@ -45,7 +45,8 @@ import numpy as np
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
-from vllm_engines import TOOL_CALLING, VllmServer, own_cores, vllm_python, write_tiny_checkpoint  # noqa: E402
+from vllm_engines import (TOOL_CALLING, EngineSpec, VllmServer, own_cores, vllm_python,  # noqa: E402
+                          write_tiny_checkpoint)
 
 BLOCK = 32
 #: What kvledger's own ranks serve.
@@ -331,7 +332,7 @@ def start_servers(work: Path, blocks: int) -> list[VllmServer]:
     python = vllm_python()
     model = write_tiny_checkpoint(work / "tiny", python)
     servers = []
-    for i, cores in enumerate(own_cores(2)):
+    for i, cores in enumerate(own_cores([EngineSpec(), EngineSpec()])):
         (work / f"e{i}").mkdir()
         servers.append(VllmServer(python, model, work / f"e{i}", block_size=BLOCK, cores=cores,
                                   args=(*TOOL_CALLING, "--num-gpu-blocks-override", str(blocks))))

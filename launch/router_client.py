@@ -210,7 +210,9 @@ def _table(url: str, rank: int | None, seconds: float | None, history: int, refr
             gpu = "-" if r.blocks is None else f"{r.blocks['GPU'].used}/{r.blocks['GPU'].free}"
             cpu = "-" if r.blocks is None else f"{r.blocks['CPU'].used}/{r.blocks['CPU'].free}"
             hit = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}"
-            t.add_row(str(r.rank) if r.engine is None else f"{r.rank} vLLM", gpu, cpu, hit,
+            name = str(r.rank) if r.engine is None else f"{r.rank} vLLM" + (
+                "" if r.data_parallel_rank is None else f" dp{r.data_parallel_rank}")
+            t.add_row(name, gpu, cpu, hit,
                       f"{r.events_per_s:.1f}", str(r.events_total), str(r.index_blocks), str(r.inflight_requests),
                       str(r.completions), str(r.predicted_tokens), str(r.cached_tokens), _rejected(r.rejected))
         ev = Table(title="last events")

@@ -330,8 +330,10 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
         out(f"sessions: {s['live']} live, {s['waiting_on_tool']} waiting on a tool, hit rate {s['hit_rate']:.0%} "
             f"over {s['turns']} turn(s)")
         for f in view["foreign"]:
-            out(f"vLLM rank {f['rank']}: {f['endpoint']} {'live' if f['live'] else 'DOWN'}, "
-                f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed")
+            dp = "" if f["data_parallel_rank"] is None else f" data-parallel rank {f['data_parallel_rank']}"
+            out(f"vLLM rank {f['rank']}: {f['endpoint']}{dp} {'live' if f['live'] else 'DOWN'}, "
+                f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed "
+                f"({f['host_blocks']} on its host tier only)")
         for r in view["ranks"]:
             if r.get("prefill_s_per_token") is not None:
                 decode = r.get("decode_s_per_token")

@@ -50,9 +50,9 @@ def server_facts(urls: tuple[str, ...]) -> ServerFacts:
     """Ask each server (``VllmServer.discover``); a ``ValueError`` names what they disagree on or lack."""
     facts = []
     for i, url in enumerate(urls):
-        engine = VllmEngine.connect(FOREIGN_RANK_BASE + i, url)
+        engines = VllmEngine.connect_all(FOREIGN_RANK_BASE + i, url)   # a data-parallel server's cores agree
         try:
-            info = engine.info()
+            info = engines[0].info()
             tok = info.tokenizer
             if not info.block_size or info.max_context is None:
                 raise ValueError(f"vLLM server {url} reports no block size or maximum model length")
@@ -62,7 +62,8 @@ def server_facts(urls: tuple[str, ...]) -> ServerFacts:
                                  f"(tokenized by {tok.name})")
             facts.append(ServerFacts(info.model, info.max_context, tok.vocab_size, info.block_size))
         finally:
-            engine.close()
+            for engine in engines:
+                engine.close()
     if len({(f.model, f.max_model_len, f.vocab_size) for f in facts}) > 1:
         raise ValueError(f"the vLLM servers serve different models (model, length or vocabulary): {facts}")
     return dataclasses.replace(facts[0], block_size=min(f.block_size for f in facts))

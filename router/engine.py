@@ -71,6 +71,8 @@ class EngineInfo:
     """Where it serves, for engines reached over HTTP."""
     events: EventSource | None = None
     """Where it publishes its KV events over ZMQ (``None``: they come with its ledger's batches, or not at all)."""
+    data_parallel_rank: int | None = None
+    """The engine core it is among a data-parallel server's (``None``: the server runs one)."""
 
     def can(self, capability: Capability) -> bool:
         return capability in self.capabilities

@@ -64,6 +64,8 @@ class _ForeignEngine:
     routed: bool
     """A rank of the ``RankSet`` (requests go to it), not only indexed: it follows the set's liveness."""
     thread: threading.Thread
+    dp_rank: int | None = None
+    """Its data-parallel rank among its server's engine cores (``None``: the server runs one)."""
 
 
 class EventFeed:
@@ -299,13 +301,14 @@ class EventFeed:
 
     def attach_vllm(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", *,
                     bind: bool | None = False, block_size: int | None = None, name: str | None = None,
-                    routed: bool = False) -> int:
+                    routed: bool = False, dp_rank: int | None = None) -> int:
         """Index a real vLLM engine's KV events (its ZMQ publisher) under a rank of its own; returns that rank.
 
         ``bind``: ``True``, the engine's publisher connects, so the router binds ``endpoint``; ``None``, bind
         if the address is free here, else connect (``router.vllm_events``). ``block_size``: the engine's, when
         its server told it; otherwise its first store does.
-        ``routed``: the engine is also a rank of the ``RankSet`` (``router.engines``).
+        ``routed``: the engine is also a rank of the ``RankSet`` (``router.engines``). ``dp_rank``: which of its
+        server's data-parallel engine cores it is (each publishes on an endpoint of its own).
         """
         from kvledger.router.vllm_events import VllmEventSubscriber
 
@@ -322,7 +325,7 @@ class EventFeed:
             sub = VllmEventSubscriber(self._foreign_feed, rank, endpoint, replay_endpoint, topic, lock=self.lock,
                                       bind=bind)
             thread = threading.Thread(target=sub.run, name=f"kvledger-vllm-{rank}", daemon=True)
-            self._foreign[rank] = _ForeignEngine(endpoint, name or endpoint, sub, routed, thread)
+            self._foreign[rank] = _ForeignEngine(endpoint, name or endpoint, sub, routed, thread, dp_rank)
         thread.start()
         logger.info("indexing vLLM events from %s as rank %d (%s)", endpoint, rank,
                     "bound" if sub.bound else "connected")
@@ -339,6 +342,11 @@ class EventFeed:
         """Attached foreign engines: rank -> its name (its server's URL, or the events endpoint)."""
         with self.lock:
             return {r: f.name for r, f in self._foreign.items()}
+
+    def foreign_dp_ranks(self) -> dict[int, int]:
+        """Attached foreign engines that are one data-parallel rank of their server: rank -> that DP rank."""
+        with self.lock:
+            return {r: f.dp_rank for r, f in self._foreign.items() if f.dp_rank is not None}
 
     def close(self) -> None:
         """Stop the foreign engines' subscribers."""

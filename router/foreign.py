@@ -4,8 +4,19 @@ vLLM names blocks with its own hash, so its hashes never meet the ones the
 router probes with. This feed re-hashes each stored block from its
 ``token_ids`` with our ``chain_hash``, chained from the parent's mapped hash
 (``ROOT_HASH`` for a prompt's first block), and keeps, per foreign rank, the
-map from vLLM hash to ours with a count of stores, so a later removal or tier
-move by vLLM hash reaches the right entry of the index.
+map from vLLM hash to ours with a count of stores per tier (packed as the
+index packs them, ``router.refs``), so a later removal or tier move by vLLM
+hash reaches the right entry of the index, on the right tier.
+
+vLLM's CPU offloading publishes the blocks it copies to host memory as stores
+with medium ``CPU``, under the same hashes as the device's, and their
+eviction as removals with medium ``CPU``: the index holds them as the engine's
+host tier. A host removal of a hash the engine never stored on its host tier
+is skipped and counted (``UNKNOWN_HASH``). Its offloading connector describes
+those blocks (tokens, parent) only with ``kv_connector_extra_config:
+{"self_describing_kv_events": true}``; without it a store names one hash with
+no tokens and block size 0, which the wire's decoder refuses: its whole batch
+is counted ``malformed``.
 
 Each engine is indexed at its own block size (``BlockIndex.set_block_size``),
 told by its server or, with ``learn_block_size``, taken from its first store.
@@ -25,6 +36,7 @@ from dataclasses import dataclass
 
 from kvledger.router.index import BlockSizeError
 from kvledger.router.numbering import ApplyResult, ApplyStatus, SequencedIndex
+from kvledger.router.refs import held_on, tier_unit
 from kvledger.router.rejections import UNKNOWN_HASH, UNKNOWN_PARENT, Rejections
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
 from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
@@ -37,11 +49,12 @@ class ForeignStats:
     stores_skipped: int = 0
     """Stores whose parent hash was unknown, so could not be re-hashed."""
     hashes_unmapped: int = 0
-    """Removals or moves naming a hash never mapped."""
+    """Removals or moves naming a hash never mapped (on that tier)."""
 
 
 _Mapped = tuple[int, int, "str | None"]
-"""A foreign hash's entry: our hash, how many stores hold it, the salt of its chain."""
+"""A foreign hash's entry: our hash, the stores holding it per tier (packed as ``router.refs`` packs them), the
+salt of its chain."""
 
 
 class _Overlay:
@@ -126,8 +139,8 @@ class ForeignFeed:
                 self.stats.hashes_unmapped += got.hashes_unmapped
                 self.rejections.add(rank, UNKNOWN_PARENT, f"batch {seq} stores blocks under a parent never seen "
                                     "(stored before the router listened)", got.stores_skipped)
-                self.rejections.add(rank, UNKNOWN_HASH, f"batch {seq} removes or moves hashes never mapped",
-                                    got.hashes_unmapped)
+                self.rejections.add(rank, UNKNOWN_HASH, f"batch {seq} removes or moves hashes never mapped on that "
+                                    "tier", got.hashes_unmapped)
                 return result
         if result.status is ApplyStatus.SNAPSHOT:
             self._maps.pop(rank, None)   # its cache is gone or our view diverged: the map is stale too
@@ -151,14 +164,11 @@ class ForeignFeed:
         if t is BlockStored:
             return self._stored(overlay, ev, i, tpb)
         if t is BlockRemoved:
-            ours = [h for f in ev.block_hashes if (h := self._release(overlay, f)) is not None]
+            unit = tier_unit(ev.medium)
+            ours = [h for f in ev.block_hashes if (h := self._release(overlay, f, unit)) is not None]
             return BlockRemoved(ours, ev.medium, ev.group_idx) if ours else None
         if t is BlockUpdated:
-            entry = overlay.get(ev.block_hash)
-            if entry is None:
-                overlay.stats.hashes_unmapped += 1
-                return None
-            return BlockUpdated(entry[0], ev.old_medium, ev.new_medium, ev.old_priority, ev.new_priority)
+            return self._updated(overlay, ev)
         if t is AllBlocksCleared or t is KVCacheCreated:
             overlay.cleared, overlay.changes = True, {}
             return ev
@@ -180,25 +190,40 @@ class ForeignFeed:
                 return None
             parent, salt = entry[0], ev.cache_salt if ev.cache_salt is not None else entry[2]
         ours = chain_hashes(block_keys(ev.token_ids, tpb, lora_id=ev.lora_id, cache_salt=salt), parent)
+        unit = tier_unit(ev.medium)
         out = []
         for foreign, mine in zip(ev.block_hashes, ours):
             entry = overlay.get(foreign)
             # A hash already mapped keeps its mapping, so its removal later finds the entry it made.
             mapped = mine if entry is None else entry[0]
-            overlay.changes[foreign] = (mapped, 1, salt) if entry is None else (mapped, entry[1] + 1, entry[2])
+            overlay.changes[foreign] = (mapped, unit, salt) if entry is None else (mapped, entry[1] + unit, entry[2])
             out.append(mapped)
         overlay.stats.blocks_mapped += n
         return BlockStored(out, None if ev.parent_block_hash is None else parent, ev.token_ids, ev.block_size,
                            ev.lora_id, ev.medium, ev.lora_name, salt, ev.priority, ev.group_idx,
                            ev.kv_cache_spec_kind, kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window)
 
-    def _release(self, overlay: _Overlay, foreign: int) -> int | None:
+    def _release(self, overlay: _Overlay, foreign: int, unit: int) -> int | None:
+        """Our hash for a removal of ``foreign`` from the tier of ``unit``; ``None`` if it is not held there."""
         entry = overlay.get(foreign)
-        if entry is None:
+        if entry is None or not held_on(entry[1], unit):
             overlay.stats.hashes_unmapped += 1
             return None
-        overlay.changes[foreign] = None if entry[1] == 1 else (entry[0], entry[1] - 1, entry[2])
+        left = entry[1] - unit
+        overlay.changes[foreign] = (entry[0], left, entry[2]) if left else None
         return entry[0]
+
+    def _updated(self, overlay: _Overlay, ev: BlockUpdated) -> BlockUpdated | None:
+        """A priority change, or a tier move: one store of the hash moves from the old tier to the new."""
+        entry = overlay.get(ev.block_hash)
+        moves = ev.old_medium is not None and ev.new_medium is not None and ev.old_medium != ev.new_medium
+        if entry is None or (moves and not held_on(entry[1], tier_unit(ev.old_medium))):
+            overlay.stats.hashes_unmapped += 1
+            return None
+        if moves:
+            overlay.changes[ev.block_hash] = (entry[0], entry[1] - tier_unit(ev.old_medium)
+                                              + tier_unit(ev.new_medium), entry[2])
+        return BlockUpdated(entry[0], ev.old_medium, ev.new_medium, ev.old_priority, ev.new_priority)
 
 
 def _salt_of_root(ev: BlockStored) -> str | None:

@@ -151,6 +151,9 @@ class _ServiceCollector:
                                         labels=["rank"])
         rejected = CounterMetricFamily("kvledger_events_rejected", "Events the index could not take, per reason",
                                        labels=["rank", "reason"])
+        onboard = GaugeMetricFamily("kvledger_onboard_seconds_per_block",
+                                    "Seconds the rank measured to onboard one block from its host tier",
+                                    labels=["rank"])
         for r in report.ranks:
             rank = str(r.rank)
             if r.blocks is not None:
@@ -169,10 +172,13 @@ class _ServiceCollector:
             for phase, seconds in (("prefill", r.prefill_s_per_token), ("decode", r.decode_s_per_token)):
                 if seconds is not None:
                     speed.add_metric([rank, phase], seconds)
+            if r.onboard_s_per_block is not None:
+                onboard.add_metric([rank], r.onboard_s_per_block)
         for rank, reasons in svc.feed.rejections.by_rank().items():
             for reason, n in reasons.items():
                 rejected.add_metric([str(rank), reason], n)
-        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight, speed, predicted, delivered, rejected)
+        yield from (blocks, hit, eps, events, decisions, index_blocks, inflight, speed, predicted, delivered, rejected,
+                    onboard)
         t = report.router
         yield GaugeMetricFamily("kvledger_router_hit_rate", "Cached / prompt tokens over the router's completions",
                                 value=t.hit_rate)
@@ -452,13 +458,15 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     def probe(body: ProbeBody, who: User) -> dict:
         _, tokens = service.models.encode(body.prompt, body.model)
         got = service.probe(tokens, lora_id=body.lora_id, cache_salt=who.salt(body.cache_salt), exact=body.exact)
-        foreign = service.feed.foreign_engines()
+        foreign, dp_ranks = service.feed.foreign_engines(), service.feed.foreign_dp_ranks()
         ranks = []
         for r, m in sorted(got.items()):
             entry = {"rank": r, "matched_tokens": m.matched_tokens,
                      "tiers": None if m.device_tokens is None else {"GPU": m.device_tokens, "CPU": m.host_tokens}}
             if r in foreign:
                 entry["vllm"] = foreign[r]   # a foreign engine's rank, named after its endpoint
+            if r in dp_ranks:
+                entry["data_parallel_rank"] = dp_ranks[r]
             ranks.append(entry)
         return {"exact": body.exact, "prompt_tokens": len(tokens), "ranks": ranks}
 

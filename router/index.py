@@ -64,6 +64,9 @@ class BlockIndex(Protocol):
 
     def num_blocks(self, rank: int | None = None) -> int: ...
 
+    def host_only_blocks(self, rank: int) -> int:
+        """Of ``rank``'s blocks, those it holds on its host tier only."""
+
 
 class PrefixIndex:
     """The flat-map ``BlockIndex`` (see the module docstring); group 0 only (``WindowedIndex`` keeps the rest)."""
@@ -114,6 +117,10 @@ class PrefixIndex:
     def num_blocks(self, rank: int | None = None) -> int:
         """Distinct hashes held by ``rank``, or by anyone when ``rank`` is None."""
         return len(self._holders) if rank is None else len(self.held(rank))
+
+    def host_only_blocks(self, rank: int) -> int:
+        """Of ``rank``'s distinct hashes, those it holds on its host tier only (to onboard before reuse)."""
+        return sum(1 for v in self.held(rank).values() if not v & DEV_MASK)
 
     def longest_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
         """Per rank holding ``hashes[0]``: ``(blocks, host-only blocks)`` of its longest held prefix of the

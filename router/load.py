@@ -193,10 +193,10 @@ class LoadAccount:
 
     def state(self, rank: int, now: float, kv_used_blocks: int = 0, kv_total_blocks: int = 0,
               reported: ReportedQueue | None = None, migratable: bool = True, session_blocks: int = 0,
-              prefill_s_per_token: float = 0.0) -> RankState:
-        """``rank`` as the policies see it at ``now``; the blocks in use come from the rank's own report, those
-        live sessions left there (``session_blocks``) from the router's session table, its speed
-        (``prefill_s_per_token``) from its answers.
+              prefill_s_per_token: float = 0.0, onboard_s_per_block: float | None = None) -> RankState:
+        """``rank`` as the policies see it at ``now``; the blocks in use (and its measured onboard time per host
+        block) come from the rank's own report, those live sessions left there (``session_blocks``) from the
+        router's session table, its speed (``prefill_s_per_token``) from its answers.
 
         An engine's own count of its queue (``reported``) wins where it is larger: clients may send it work no
         router replica saw. The rank's count holds this router's requests too, so
@@ -214,7 +214,8 @@ class LoadAccount:
             queued = max(a.queued + a.running, reported.waiting + reported.running) - running
             pending = max(pending, reported.prefill_tokens)
         return RankState(rank, True, queued, pending, running, a.running_blocks, kv_used_blocks, kv_total_blocks,
-                         migratable, a.queued_blocks + a.running_blocks, session_blocks, prefill_s_per_token)
+                         migratable, a.queued_blocks + a.running_blocks, session_blocks, prefill_s_per_token,
+                         onboard_s_per_block)
 
 
 def _leave_queue(a: _RankAccount, d: Dispatch) -> None:

@@ -23,7 +23,7 @@ INVALID = "invalid"
 UNKNOWN_PARENT = "unknown_parent"
 """A foreign store chained to a block the router never saw, so it cannot be re-hashed."""
 UNKNOWN_HASH = "unknown_hash"
-"""A foreign removal or move of a hash the router never mapped."""
+"""A foreign removal or move of a hash the router never mapped (on that tier)."""
 
 
 class Rejections:

@@ -50,6 +50,11 @@ class RankReport:
     prefill_s_per_token: float | None = None
     """Seconds per uncached prompt token the router learned of it (``router.engine_rates``); ``None``: not yet."""
     decode_s_per_token: float | None = None
+    """Seconds per decoded token the router learned of it from its streams; ``None``: not yet."""
+    data_parallel_rank: int | None = None
+    """Which engine core of its vLLM server it is, for a rank that is one of a data-parallel server's."""
+    onboard_s_per_block: float | None = None
+    """Seconds it measured to onboard one block from its host tier (``None``: not measured yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,10 @@ class ForeignReport:
     live: bool
     block_size: int
     rejected: dict[str, int]
+    data_parallel_rank: int | None = None
+    """Which engine core of its server it is (``None``: the server runs one)."""
+    host_blocks: int = 0
+    """Of ``index_blocks``, those the index holds on its host tier only (vLLM's CPU offloading)."""
 
 
 @dataclass(frozen=True, slots=True)

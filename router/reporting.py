@@ -23,10 +23,12 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
     index = feed.index
     events = {r: feed.counters(r) for r in live}
     foreign_engines = feed.foreign_engines()
+    dp_ranks = feed.foreign_dp_ranks()
     rejected = feed.rejections.by_rank()
     infos = {r: e.info() for r, e in engines.live_engines().items()}
     with feed.lock:
         held = {r: (index.num_blocks(r), index.next_seq(r), index.block_size(r)) for r in [*live, *foreign_engines]}
+        host_only = {r: index.store.host_only_blocks(r) for r in foreign_engines}
         ix, total_blocks = index.stats, index.num_blocks()
         applied, duplicate = ix.batches_applied, ix.batches_duplicate
         replays, snapshots = ix.replays_requested, ix.snapshots_loaded
@@ -42,7 +44,9 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
             None if load is None else load.cache_hit_rate, held[r][0], held[r][1], events_total, events_per_s,
             batches, c.decisions, c.completions, c.prompt_tokens, c.cached_tokens, *inflight.get(r, (0, 0)),
             c.predicted_tokens, info.model if info else "", held[r][2], info.url if info else None,
-            rejected.get(r, {}), rate.prefill_s_per_token if rate else None, rate.decode_s_per_token if rate else None))
+            rejected.get(r, {}), rate.prefill_s_per_token if rate else None,
+            rate.decode_s_per_token if rate else None, dp_ranks.get(r),
+            None if load is None else load.onboard_s_per_block))
     with tally.lock:
         s = tally.stats
         totals = RouterTotals(s.completions, s.prompt_tokens, s.cached_tokens,
@@ -52,7 +56,8 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
                               s.cached_tokens / s.predicted_tokens if s.predicted_tokens else None,
                               feed.rejections.total())
     added, live_set = engines.added(), set(live)
-    foreign = [ForeignReport(r, name, *held[r][:2], r in live_set or r not in added, held[r][2], rejected.get(r, {}))
+    foreign = [ForeignReport(r, name, *held[r][:2], r in live_set or r not in added, held[r][2], rejected.get(r, {}),
+                             dp_ranks.get(r), host_only[r])
                for r, name in foreign_engines.items()]
     s = sessions
     return ClusterReport(policy, tokens_per_block, ranks, foreign, totals, tenant_reports(tenants),

@@ -102,25 +102,32 @@ class RouterService:
 
     # ------------------------------------------------------------------ membership
 
-    def add_vllm(self, url: str) -> int:
-        """Route to the vLLM server at ``url`` too: ask it what it serves, subscribe to its events; its rank."""
+    def add_vllm(self, url: str) -> list[int]:
+        """Route to the vLLM server at ``url`` too: ask it what it serves, subscribe to its events; its ranks, one
+        per data-parallel rank it runs (each indexed, routed to and loaded as an engine of its own)."""
         if url in self.feed.foreign_engines().values():
             raise ValueError(f"vLLM server {url} is already a rank")
-        engine = VllmEngine.connect(self.feed.next_foreign_rank(), url, self.config.tokenizer,
-                                    self.config.engine_timeout_s)
-        info = engine.info()
-        src = info.events
-        if src is None:
-            engine.close()
-            raise ValueError(f"vLLM server {url} publishes no KV events; start it with --enable-prefix-caching and "
-                             "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'")
-        rank = self.feed.attach_vllm(src.endpoint, src.replay_endpoint, src.topic, bind=src.bind,
-                                     block_size=info.block_size, name=url, routed=True)
-        assert rank == engine.rank, "engines are attached one at a time"
-        self.engines.add(engine)
-        logger.info("vLLM server %s (model %s, %s tokens per block, tokenizer %s) is rank %d", url, info.model,
-                    info.block_size, info.tokenizer.name, rank)
-        return rank
+        engines = VllmEngine.connect_all(self.feed.next_foreign_rank(), url, self.config.tokenizer,
+                                         self.config.engine_timeout_s)
+        missing = [e.info().data_parallel_rank for e in engines if e.info().events is None]
+        if missing:
+            for engine in engines:
+                engine.close()
+            dp = "" if missing == [None] else f" for data-parallel ranks {missing}"
+            raise ValueError(f"vLLM server {url} publishes no KV events{dp}; start it with --enable-prefix-caching "
+                             "and --kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'")
+        for engine in engines:
+            info = engine.info()
+            src = info.events
+            rank = self.feed.attach_vllm(src.endpoint, src.replay_endpoint, src.topic, bind=src.bind,
+                                         block_size=info.block_size, name=url, routed=True,
+                                         dp_rank=info.data_parallel_rank)
+            assert rank == engine.rank, "engines are attached one at a time"
+            self.engines.add(engine)
+            logger.info("vLLM server %s%s (model %s, %s tokens per block, tokenizer %s) is rank %d", url,
+                        "" if info.data_parallel_rank is None else f" data-parallel rank {info.data_parallel_rank}",
+                        info.model, info.block_size, info.tokenizer.name, rank)
+        return [e.rank for e in engines]
 
     def check_health(self) -> list[int]:
         """One health round over every engine, then the index follows (``EventFeed.sync``); the ranks back.
@@ -213,8 +220,9 @@ class RouterService:
             # every engine's own count (clients no replica saw), less what ended since it was asked
             reported = {r: ReportedQueue(load.queued_requests, load.running_requests, load.queued_prefill_tokens)
                         .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
+            onboard = {r: load.onboard_s_per_block for r, load in self._loads.items()}
             return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
-                                    self.sessions.blocks_by_rank(), self.rates.prefill())
+                                    self.sessions.blocks_by_rank(), self.rates.prefill(), onboard)
 
     # ------------------------------------------------------------------ serving
 

@@ -9,6 +9,11 @@ Its answer comes back as it is. A server that does not answer is lost
 (``RankDiedError``); one that answers with an error refused the request
 (``EngineRefusedError``), with its status and body. Its events reach the index
 over ZMQ (``router.vllm_events``), from where ``info().events`` says.
+
+A server run with ``--data-parallel-size N`` is N engines (``connect_all``), one
+per engine core: each sends its requests to its own data-parallel rank, reads
+its own load from the metrics, and publishes its own events. Each reads its
+measured host-tier onboard time from its metrics too (``router.vllm_onboard``).
 """
 from __future__ import annotations
 
@@ -27,26 +32,38 @@ class VllmEngine:
     """One vLLM server under router rank ``rank`` (see the module docstring)."""
 
     def __init__(self, rank: int, server: VllmServer, found: VllmServerInfo, tokenizer: PromptTokenizer) -> None:
+        """``server``'s data-parallel rank (``None``: a server without DP) is the engine core this engine is."""
         self._rank = rank
         self.server = server
         self._tokenizer = tokenizer
         self._info = self._info_of(found)
 
     @classmethod
-    def connect(cls, rank: int, url: str, tokenizer_path: str | None = None, timeout_s: float = 10.0) -> VllmEngine:
-        """Discover the server at ``url`` (``VllmServer.discover``) and pick its tokenizer."""
+    def connect_all(cls, first_rank: int, url: str, tokenizer_path: str | None = None,
+                    timeout_s: float = 10.0) -> list[VllmEngine]:
+        """Discover the server at ``url`` (``VllmServer.discover``), pick its tokenizer, and make one engine per
+        data-parallel rank it runs, under ranks ``first_rank`` on (one engine without DP)."""
         server = VllmServer(url, timeout_s)
         try:
             found = server.discover()
-        except EngineUnreachableError:
+            tokenizer = engine_tokenizer(server, found.model, found.model_root, tokenizer_path)
+        except BaseException:
             server.close()
             raise
-        return cls(rank, server, found, engine_tokenizer(server, found.model, found.model_root, tokenizer_path))
+        if len(found.dp_ranks) == 1:
+            return [cls(first_rank, server, found, tokenizer)]
+        server.close()
+        return [cls(first_rank + i, VllmServer(url, timeout_s, dp_rank=dp), found, tokenizer)
+                for i, dp in enumerate(found.dp_ranks)]
 
     def _info_of(self, found: VllmServerInfo) -> EngineInfo:
+        dp = self.server.dp_rank
+        if dp is not None and dp not in found.dp_ranks:
+            raise ValueError(f"vLLM server {found.url} runs data-parallel ranks {list(found.dp_ranks)}, not {dp}")
         self._blocks = found.num_blocks or 0
         return EngineInfo(found.model, found.block_size or 0, self._tokenizer, found.max_model_len, None,
-                          ChatTemplate.of_model(found.model_root), frozenset(), "vllm", found.url, found.events)
+                          ChatTemplate.of_model(found.model_root), frozenset(), "vllm", found.url,
+                          found.events.get(0 if dp is None else dp), dp)
 
     @property
     def rank(self) -> int:
@@ -113,7 +130,9 @@ class VllmEngine:
             raise RankDiedError(self._rank, str(e)) from e
         total = self._blocks
         used = min(total, round(got.kv_usage * total))
-        return RankLoad(self._rank, True, True, 0, got.waiting, got.running, 0, used, total - used)
+        onboard = got.onboard.s_per_block(self._info.block_size) if self._info.block_size else None
+        return RankLoad(self._rank, True, True, 0, got.waiting, got.running, 0, used, total - used,
+                        onboard_s_per_block=onboard)
 
     def close(self) -> None:
         self.server.close()

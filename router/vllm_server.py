@@ -7,13 +7,20 @@ to index and route to it, so ``kvledger up --vllm URL`` takes nothing else:
   maximum length);
 - the block size and block count (the labels of ``vllm:cache_config_info`` in
   ``/metrics``);
-- the KV-event publisher (``GET /kv_event_sources``: its config per
-  data-parallel rank), turned into where the router subscribes
-  (``EventSource``).
+- the KV-event publishers (``GET /kv_event_sources``: one config per
+  data-parallel rank, each publishing on a port of its own), turned into
+  where the router subscribes (``EventSource``).
+
+A server started with ``--data-parallel-size N`` runs N engine cores behind
+one API server: each is an engine of its own to the router. A client made for
+data-parallel rank ``dp_rank`` names it in every request's
+``X-data-parallel-rank`` header (vLLM then schedules the request on that core)
+and reads only that core's samples of ``/metrics`` (its ``engine`` label).
 
 ``load`` reads the queue and the KV usage from ``/metrics``
 (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
-``vllm:kv_cache_usage_perc``) with prometheus-client's own parser.
+``vllm:kv_cache_usage_perc``) with prometheus-client's own parser, and the
+host tier's onboarding (``router.vllm_onboard``).
 Completions go through as JSON or, streamed, as the server's own
 server-sent-event lines. Every call has a timeout; a server that does not
 answer raises ``EngineUnreachableError``.
@@ -28,9 +35,13 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvledger.router.vllm_onboard import ONBOARD_SAMPLES, OnboardMeter
+
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
+#: The request header vLLM's OpenAI server takes a data-parallel rank from.
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 class EngineUnreachableError(RuntimeError):
@@ -62,8 +73,11 @@ class VllmServerInfo:
     max_model_len: int | None
     block_size: int | None
     num_blocks: int | None
-    events: EventSource | None
-    """``None`` when the server publishes no KV events (then it is routed to blind)."""
+    events: dict[int, EventSource]
+    """Per data-parallel rank, where its KV events are published (empty when the server publishes none: then it is
+    routed to blind)."""
+    dp_ranks: tuple[int, ...] = (0,)
+    """Its engine cores' data-parallel ranks (the ``engine`` labels of its metrics); ``(0,)`` without DP."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +86,8 @@ class EngineLoad:
     running: int
     kv_usage: float
     """Share of the KV blocks in use, 0..1."""
+    onboard: OnboardMeter = OnboardMeter()
+    """What its host tier has onboarded so far (``router.vllm_onboard``)."""
 
 
 def event_source(config: dict, server_host: str) -> EventSource | None:
@@ -94,15 +110,22 @@ def _reachable(endpoint: str, host: str) -> str:
 class VllmServer:
     """An HTTP client of one vLLM server (see the module docstring)."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0, completion_timeout_s: float = 300.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 10.0, completion_timeout_s: float = 300.0,
+                 dp_rank: int | None = None) -> None:
+        """``dp_rank``: the data-parallel rank this client's requests go to and whose metrics it reads (``None``:
+        the server's own choice, and every core's metrics summed)."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"a vLLM server is http://HOST:PORT, got {url!r}")
+        if dp_rank is not None and (type(dp_rank) is not int or dp_rank < 0):
+            raise ValueError(f"dp_rank must be a non-negative int or None, got {dp_rank!r}")
         self.url = url.rstrip("/")
         self.host = parts.hostname
+        self.dp_rank = dp_rank
         self._timeout = httpx.Timeout(timeout_s)
         self._completion_timeout = httpx.Timeout(completion_timeout_s, connect=timeout_s)
-        self._http = httpx.Client(base_url=self.url, timeout=self._timeout)
+        headers = {} if dp_rank is None else {DP_RANK_HEADER: str(dp_rank)}
+        self._http = httpx.Client(base_url=self.url, timeout=self._timeout, headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -134,15 +157,13 @@ class VllmServer:
         if not models:
             raise ValueError(f"vLLM server {self.url} serves no model")
         model = models[0]
-        info = _labels(self._get("/metrics").text, "vllm:cache_config_info")
+        metrics = self._get("/metrics").text
+        info = _labels(metrics, "vllm:cache_config_info")
         sources = self._get("/kv_event_sources").json() if self._has_event_sources() else {}
-        configs = [sources[k] for k in sorted(sources, key=int)]
-        if len(configs) > 1:
-            raise ValueError(f"vLLM server {self.url} has {len(configs)} data-parallel engines; kvledger indexes "
-                             "one engine per server (start one server per engine)")
+        events = {int(k): src for k, config in sources.items() if (src := event_source(config, self.host))}
+        dp_ranks = tuple(sorted({*_engine_labels(metrics), *events})) or (0,)
         return VllmServerInfo(self.url, str(model["id"]), model.get("root"), model.get("max_model_len"),
-                              _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"),
-                              event_source(configs[0], self.host) if configs else None)
+                              _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"), events, dp_ranks)
 
     def _has_event_sources(self) -> bool:
         try:
@@ -151,16 +172,8 @@ class VllmServer:
             raise EngineUnreachableError(f"vLLM server {self.url}: GET /kv_event_sources: {e!r}") from e
 
     def load(self) -> EngineLoad:
-        """Its queue and KV usage from ``/metrics`` (summed over its engines)."""
-        text = self._get("/metrics").text
-        values = {"vllm:num_requests_waiting": 0.0, "vllm:num_requests_running": 0.0,
-                  "vllm:kv_cache_usage_perc": 0.0}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name in values:
-                    values[s.name] += s.value
-        return EngineLoad(int(values["vllm:num_requests_waiting"]), int(values["vllm:num_requests_running"]),
-                          values["vllm:kv_cache_usage_perc"])
+        """Its queue, KV usage and host-tier onboarding from ``/metrics`` (``engine_load``)."""
+        return engine_load(self._get("/metrics").text, self.dp_rank)
 
     def tokenize(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
         """The server's own tokenization of ``text`` (``POST /tokenize``), special tokens as a completion adds
@@ -203,6 +216,20 @@ class VllmServer:
         r.raise_for_status()
 
 
+def engine_load(metrics_text: str, dp_rank: int | None) -> EngineLoad:
+    """The load in a server's ``/metrics`` text: data-parallel rank ``dp_rank``'s samples (its ``engine`` label),
+    or every engine core's summed (``None``)."""
+    values = dict.fromkeys(("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                            *ONBOARD_SAMPLES), 0.0)
+    engine = None if dp_rank is None else str(dp_rank)
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name in values and (engine is None or s.labels.get("engine") == engine):
+                values[s.name] += s.value
+    return EngineLoad(int(values["vllm:num_requests_waiting"]), int(values["vllm:num_requests_running"]),
+                      values["vllm:kv_cache_usage_perc"], OnboardMeter.of(values))
+
+
 def _labels(metrics_text: str, name: str) -> dict[str, str]:
     """The labels of the first sample of info-style gauge ``name`` (empty when absent)."""
     for family in text_string_to_metric_families(metrics_text):
@@ -210,6 +237,13 @@ def _labels(metrics_text: str, name: str) -> dict[str, str]:
             if s.name == name:
                 return dict(s.labels)
     return {}
+
+
+def _engine_labels(metrics_text: str) -> set[int]:
+    """The data-parallel ranks whose engine cores report ``vllm:num_requests_running`` (its ``engine`` label)."""
+    return {int(s.labels["engine"]) for family in text_string_to_metric_families(metrics_text)
+            for s in family.samples
+            if s.name == "vllm:num_requests_running" and s.labels.get("engine", "").isdigit()}
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:

@@ -45,7 +45,10 @@ class FakeVllmPublisher:
         self.pub.recv()
 
     def publish(self, events: list[dict], send: bool = True) -> int:
-        payload = msgpack.packb([1700000000.0 + self.seq, events, 0])
+        return self.publish_payload(msgpack.packb([1700000000.0 + self.seq, events, 0]), send)
+
+    def publish_payload(self, payload: bytes, send: bool = True) -> int:
+        """Publish one batch as encoded elsewhere (a recorded stream); its sequence number."""
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, payload))
         if send:  # send=False: the message is lost on the way, as PUB/SUB allows

@@ -2,8 +2,10 @@
 the check that ranks are left idle and balanced."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -69,3 +71,17 @@ def wait_indexed(service, rank: int, tokens: list[int], want: int,
         left = deadline - time.monotonic()
         assert left > 0, f"rank {rank} indexed {got} of {want} tokens after {INDEX_WAIT_S:g} s"
         _, since = service.feed.wait_events(since, rank, 1000, min(left, 1.0))
+
+
+@contextlib.contextmanager
+def over_http(service, timeout_s: float = 120.0) -> Iterator[httpx.Client]:
+    """A client of ``service``'s HTTP API on a port of its own (127.0.0.1); the service is closed after it."""
+    from kvledger.router.http import HttpServer, make_app
+
+    server = HttpServer(make_app(service), port=0).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=timeout_s) as client:
+            yield client
+    finally:
+        server.stop()
+        service.close()

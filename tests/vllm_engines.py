@@ -180,6 +180,12 @@ def write_tiny_checkpoint(path: Path, python: Path | None = None) -> Path:
     return path
 
 
+def engine_prompt(first: int, n: int) -> list[int]:
+    """``n`` token ids of the tiny model starting with ``first`` (a test's own, so no test finds another's cached
+    blocks); 3..258 are its bytes."""
+    return [first, *(3 + (first * 31 + i * 7) % 256 for i in range(n - 1))]
+
+
 def encode_like_engine(text: str) -> list[int]:
     """What the tiny checkpoint's tokenizer makes of ``text`` (``<s>``, then byte b as b + 3)."""
     return [BOS_ID, *(BYTE_OFFSET + b for b in text.encode())]
@@ -200,34 +206,41 @@ def _ephemeral_start() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, below the OS's ephemeral range and above Ray's worker ports.
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 now, below the OS's ephemeral range and
+    above Ray's worker ports (a data-parallel engine core publishes on its base port plus its rank).
 
     An engine binds our ports a minute or more after we pick them (on this CPU), and every engine meanwhile
     binds sockets of its own to port 0; a port picked from the ephemeral range could be taken by one of those
     in between (it was: "Address already in use" for a replay endpoint).
     """
-    top = _ephemeral_start()
+    top = _ephemeral_start() - count
     rng = random.Random()
     for _ in range(1000):   # bounded: a free port is found within a few tries on any sane machine
         port = rng.randrange(RAY_WORKER_PORTS_END if top > RAY_WORKER_PORTS_END + 1000 else 1024, top)
-        if port in _HANDED_OUT:
+        ports = range(port, port + count)
+        if _HANDED_OUT.intersection(ports) or not all(map(_bindable, ports)):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
+        _HANDED_OUT.update(ports)
         return port
-    raise RuntimeError(f"no free port on 127.0.0.1 below {top} after 1000 tries")
+    raise RuntimeError(f"no {count} free consecutive ports on 127.0.0.1 below {top} after 1000 tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class VllmServer:
     """One vLLM OpenAI server on 127.0.0.1, prefix caching and ZMQ KV events on, logging to ``log_path``."""
 
     def __init__(self, python: Path, model: Path, workdir: Path, *, block_size: int = 32,
-                 publisher_connects: bool = False, args: Sequence[str] = (), cores: str | None = None) -> None:
+                 publisher_connects: bool = False, args: Sequence[str] = (), cores: str | None = None,
+                 data_parallel_size: int = 1) -> None:
         self.python = python
         self.model = model
         self.block_size = block_size
@@ -236,12 +249,16 @@ class VllmServer:
         """More of the server's command-line options (tool calling, for one)."""
         self.cores = cores
         """``VLLM_CPU_OMP_THREADS_BIND`` (``"0"``, ``"0-3"``): the cores its OpenMP threads are bound to. Engines
-        sharing cores under the default binding stall requests that alternate between them for up to a second."""
+        sharing cores under the default binding stall requests that alternate between them for up to a second.
+        A data-parallel server takes one binding per engine core, ``|``-separated (``"0|1"``)."""
+        self.data_parallel_size = data_parallel_size
+        """``--data-parallel-size``: its engine cores, each publishing on the base ports plus its rank."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{free_port(data_parallel_size)}"
         # Connect mode: vLLM's PUB connects here and the subscriber binds it. Bind mode: known once it is up.
-        self._events_endpoint: str | None = f"tcp://127.0.0.1:{free_port()}" if publisher_connects else None
+        self._events_endpoint: str | None = (f"tcp://127.0.0.1:{free_port(data_parallel_size)}" if publisher_connects
+                                             else None)
         self.log_path = workdir / "vllm.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -277,7 +294,7 @@ class VllmServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(self.block_size),
                 "--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "bfloat16",
                 "--max-model-len", str(MAX_MODEL_LEN), "--kv-events-config",
-                json.dumps(self.kv_events_config), *self.args]
+                json.dumps(self.kv_events_config), "--data-parallel-size", str(self.data_parallel_size), *self.args]
 
     def start(self) -> None:
         """Start the process (returns at once: start-up takes minutes, see ``wait_ready``)."""
@@ -365,13 +382,19 @@ class EngineSpec:
     block_size: int = 32
     publisher_connects: bool = False
     args: tuple[str, ...] = ()
+    data_parallel_size: int = 1
 
 
-def own_cores(count: int) -> list[str | None]:
-    """The cores each of ``count`` engines is bound to: one of its own each while the machine has enough (engine i
-    on core i), else the default binding for all."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return [str(cpus[i]) for i in range(count)] if 1 < count <= len(cpus) else [None] * count
+def own_cores(specs: Sequence[EngineSpec]) -> list[str | None]:
+    """The cores each engine's cores are bound to: one of its own for each engine core while the machine has
+    enough (the i-th engine core on core i, a data-parallel server's ``|``-separated), else the default binding
+    for all."""
+    cpus = [str(c) for c in sorted(os.sched_getaffinity(0))]
+    sizes = [spec.data_parallel_size for spec in specs]
+    if not 1 < sum(sizes) <= len(cpus):
+        return [None] * len(specs)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return ["|".join(cpus[start:start + size]) for start, size in zip(starts, sizes)]
 
 
 def start_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
@@ -386,8 +409,8 @@ def start_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), python)
     servers = [VllmServer(python, model, tmp_path_factory.mktemp(f"vllm-b{spec.block_size}"),
                           block_size=spec.block_size, publisher_connects=spec.publisher_connects, args=spec.args,
-                          cores=cores)
-               for spec, cores in zip(specs, own_cores(len(specs)))]
+                          cores=cores, data_parallel_size=spec.data_parallel_size)
+               for spec, cores in zip(specs, own_cores(specs))]
 
     def stop_all() -> None:
         for server in servers:

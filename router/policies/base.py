@@ -56,6 +56,9 @@ class RankState:
     prefill_s_per_token: float = 0.0
     """Seconds the rank takes per uncached prompt token, learned from its answers (``router.engine_rates``); 0: not
     learned yet, a policy's own figure stands."""
+    onboard_s_per_block: float | None = None
+    """Seconds the rank measured to bring one block up from its host tier (``None``: not measured; ``kv`` takes
+    its cost model's figure)."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "queued_requests", "queued_prefill_tokens", "running_requests",
@@ -66,6 +69,9 @@ class RankState:
             raise ValueError(f"prefill_s_per_token must be a finite number >= 0, got {self.prefill_s_per_token!r}")
         if type(self.alive) is not bool or type(self.migratable) is not bool:
             raise TypeError("alive and migratable must be bools")
+        v = self.onboard_s_per_block
+        if v is not None and (type(v) not in (int, float) or not math.isfinite(v) or v < 0):
+            raise ValueError(f"onboard_s_per_block must be None or a finite number >= 0, got {v!r}")
         if self.kv_total_blocks and self.kv_used_blocks > self.kv_total_blocks:
             raise ValueError(f"kv_used_blocks {self.kv_used_blocks} exceeds kv_total_blocks {self.kv_total_blocks}")
 

@@ -7,6 +7,10 @@ to the others', once the router has learned every rank's from its answers: ``Ran
     + (prompt tokens - matched blocks * block size) * prefill               (what it must compute)
     + host blocks of the match * onboard                                    (what it must copy up)
 
+``onboard`` is the rank's own measurement where it has one (``RankState.onboard_s_per_block``: a vLLM
+engine's from its offloading metrics, ``router.vllm_onboard``), else ``KvCostModel.onboard_s_per_block``: a
+prefix found only on a rank's host tier is credited its prefill less what copying it up costs there.
+
 When the best-matching rank is loaded, another rank may do better by first
 receiving the blocks it lacks from it (KV migration): its own load and its own
 matched host blocks, the tokens beyond the source's match to compute, plus
@@ -55,7 +59,8 @@ class KvCostModel:
     prefill_s_per_token: float = 5e-5
     """Compute one prompt token (what a cache hit saves)."""
     onboard_s_per_block: float = 8e-5
-    """Copy one block from the rank's host tier to its device tier (about 2 MiB over PCIe)."""
+    """Copy one block from the rank's host tier to its device tier (about 2 MiB over PCIe), for a rank that has
+    measured none of its own."""
     migrate_s_per_block: float = 1e-4
     """Send one block from another rank (NCCL), per block."""
     migrate_setup_s: float = 2e-3
@@ -70,19 +75,22 @@ class KvCostModel:
     protection_weight: float = 1.0
     """A placement that would evict live sessions' blocks pays this multiple of their recompute (0: session blocks
     are no more protected than any other free block)."""
-    eviction_weight: float = 1.0
+    eviction_weight: float = 0.0
     """A placement that would push a rank's least recently used blocks out pays this multiple of their expected
-    reuses' prefill (0: what a placement evicts is not weighed)."""
-    queue_weight: float = 0.5
+    reuses' prefill (0, the default until it is tuned on more workloads: what a placement evicts is not weighed;
+    ``bench_routers.py``'s ``docs`` wants 1)."""
+    queue_weight: float = 0.0
     """A prompt's prefill on a rank also delays the requests in flight there that run beside it: its compute is
-    weighed at ``1 + queue_weight * in-flight requests`` times its seconds (0: its own seconds only)."""
-    recent_requests: int = 32
+    weighed at ``1 + queue_weight * in-flight requests`` times its seconds (0, the default: its own seconds only;
+    ``docs`` under load wants 0.5)."""
+    recent_requests: int = 0
     """A prefix the router sent to a rank within this many requests counts as held there though the index does not
-    show it yet: its request may still be computing it, and the engine publishes it after (0: the index alone)."""
-    occupancy_weight: float = 0.5
+    show it yet: its request may still be computing it, and the engine publishes it after (0, the default: the
+    index alone; a replica sees only its own requests, so this is for one router; ``docs`` wants 32)."""
+    occupancy_weight: float = 0.0
     """Each block a placement adds to a rank pays this multiple of a block's prefill times the share of the rank's
     blocks then in use: room is worth more where little is left, so new prefixes spread over the cluster's caches
-    before any of them has to evict (0: free room is free)."""
+    before any of them has to evict (0, the default: free room is free; ``docs`` wants 0.5)."""
 
     def __post_init__(self) -> None:
         if type(self.recent_requests) is not int:
@@ -116,8 +124,10 @@ class KvPolicy(ConfiguredPolicy):
                 + s.running_decode_blocks * c.decode_s_per_block for s in live}
         held = {r: max(m.matched_tokens, self._cache.recent_prefix(r, request.block_hashes, c.recent_requests) * bs)
                 for r, m in match.items()}
+        onboard = {s.rank: c.onboard_s_per_block if s.onboard_s_per_block is None else s.onboard_s_per_block
+                   for s in live}
         delays = {s.rank: 1.0 + c.queue_weight * s.inflight_requests for s in live}
-        scores = {r: load[r] + (n - held[r]) * prefill[r] * delays[r] + m.host_blocks * c.onboard_s_per_block
+        scores = {r: load[r] + (n - held[r]) * prefill[r] * delays[r] + m.host_blocks * onboard[r]
                   for r, m in match.items()}
         own = request.session
         if own is not None and held.get(own.rank) == 0:
@@ -138,7 +148,7 @@ class KvPolicy(ConfiguredPolicy):
                     continue
                 if moved <= 0:
                     continue
-                cost = (load[r] + (n - top * bs) * prefill[r] + m.host_blocks * c.onboard_s_per_block
+                cost = (load[r] + (n - top * bs) * prefill[r] + m.host_blocks * onboard[r]
                         + c.migrate_setup_s + moved * c.migrate_s_per_block + evicts.cost(r, top * bs))
                 if cost < scores[r]:
                     scores[r] = cost

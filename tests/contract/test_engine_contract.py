@@ -41,7 +41,7 @@ def engine(request) -> Iterator[Engine]:
     real vLLM server."""
     if request.param == "vllm":
         server = request.getfixturevalue("vllm_server")
-        e = VllmEngine.connect(FOREIGN_RANK_BASE, server.url, timeout_s=TIMEOUT)
+        [e] = VllmEngine.connect_all(FOREIGN_RANK_BASE, server.url, timeout_s=TIMEOUT)
         yield e
         e.close()
         return

@@ -374,7 +374,7 @@ def test_kv_spreads_new_prefixes_over_the_caches_before_any_has_to_evict():
     rank 0, which holds two; room has a price, so each rank gets two and both hold their share."""
     states = [RankState(0, kv_total_blocks=24), RankState(1, queued_prefill_tokens=1, kv_total_blocks=24)]
     docs = [list(range(1000 * d, 1000 * d + 41)) for d in range(1, 5)]
-    policy = KvPolicy(KvCostModel(allow_migration=False))
+    policy = KvPolicy(KvCostModel(allow_migration=False, occupancy_weight=0.5))
     assert sorted(_serve(policy, d, states) for d in docs) == [0, 0, 1, 1]
     off = KvPolicy(KvCostModel(allow_migration=False, occupancy_weight=0))
     assert [_serve(off, d, states) for d in docs] == [0, 0, 0, 0]
@@ -396,5 +396,5 @@ def test_kv_weighs_the_reuse_a_placement_would_evict():
         states = [RankState(0, kv_total_blocks=13), RankState(1, queued_prefill_tokens=2, kv_total_blocks=13)]
         return policy.route(req(new, 0), states, {}).rank
 
-    assert placed(KvCostModel(allow_migration=False, occupancy_weight=0)) == 1
-    assert placed(KvCostModel(allow_migration=False, occupancy_weight=0, eviction_weight=0)) == 0
+    assert placed(KvCostModel(allow_migration=False, eviction_weight=1)) == 1
+    assert placed(KvCostModel(allow_migration=False)) == 0

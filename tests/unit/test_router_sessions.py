@@ -97,7 +97,7 @@ def test_a_session_waits_on_a_tool_when_its_last_answer_called_one_chat_or_strea
     assert table.stats().waiting_on_tool == 0
 
 
-COST = KvCostModel(allow_migration=False, queue_weight=0)   # the affinity and protection terms alone, exactly
+COST = KvCostModel(allow_migration=False)
 
 
 def test_affinity_wins_over_a_small_load_gap_but_not_a_large_one() -> None:

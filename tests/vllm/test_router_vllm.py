@@ -19,8 +19,9 @@ import httpx
 import openai
 import pytest
 import torch
-from router_helpers import INDEX_WAIT_S, wait_indexed
+from router_helpers import INDEX_WAIT_S, over_http, wait_indexed
 from vllm_engines import START_TIMEOUT_S, VllmServer, encode_like_engine
+from vllm_engines import engine_prompt as prompt
 
 from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
@@ -44,16 +45,8 @@ def router(vllm_servers: list[VllmServer]) -> Iterator[tuple[RouterService, http
     service = RouterService(LocalCluster.build(2, cfg),
                             RouterConfig(tokens_per_block=T, vllm=tuple(e.url for e in vllm_servers), policy="kv"))
     service.feed.sync()
-    server = HttpServer(make_app(service), port=0).start()
-    with httpx.Client(base_url=server.url, timeout=120.0) as client:
+    with over_http(service) as client:
         yield service, client
-    server.stop()
-    service.close()
-
-
-def prompt(first: int, n: int) -> list[int]:
-    """``n`` token ids of the tiny model starting with ``first`` (a test's own); 3..258 are its bytes."""
-    return [first, *(3 + (first * 31 + i * 7) % 256 for i in range(n - 1))]
 
 
 def complete(client: httpx.Client, tokens: list[int], model: str, **fields) -> dict:

@@ -103,6 +103,8 @@ class RankLoad:
     """Requests taken out of the batch to start over because a step found its blocks taken."""
     refused_requests: int = 0
     """Requests refused because the queue was full."""
+    onboard_s_per_block: float | None = None
+    """Seconds the rank measured to bring one block up from its host tier (``None``: not measured)."""
 
     @property
     def device_blocks(self) -> int:

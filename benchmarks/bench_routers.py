@@ -56,7 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
-from vllm_engines import VllmServer, cache_root, free_port, vllm_python, write_tiny_checkpoint  # noqa: E402
+from vllm_engines import VllmServer, cache_root, free_port, start_bench_servers  # noqa: E402
 
 from kvledger.replay.trace import Trace  # noqa: E402
 from kvledger.replay.workloads import WORKLOADS, WorkloadConfig, workload  # noqa: E402
@@ -154,24 +154,10 @@ class EngineCounts:
 
 
 def start_servers(work: Path, count: int, blocks: int) -> list[VllmServer]:
-    python = vllm_python()
-    model = write_tiny_checkpoint(work / "tiny", python)
+    """``count`` servers, engine i bound to core i mod the machine's cores (two on a core share it, bound)."""
     cpus = sorted(os.sched_getaffinity(0))
-    servers = []
-    for i in range(count):
-        (work / f"e{i}").mkdir()
-        servers.append(VllmServer(python, model, work / f"e{i}", block_size=BLOCK, cores=str(cpus[i % len(cpus)]),
-                                  args=("--num-gpu-blocks-override", str(blocks), "--enable-scale-out")))
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready()
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-    return servers
+    return start_bench_servers(work, [str(cpus[i % len(cpus)]) for i in range(count)],
+                               ("--num-gpu-blocks-override", str(blocks), "--enable-scale-out"), BLOCK)
 
 
 def peer_venv() -> Path:

@@ -45,8 +45,7 @@ import numpy as np
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
-from vllm_engines import (TOOL_CALLING, EngineSpec, VllmServer, own_cores, vllm_python,  # noqa: E402
-                          write_tiny_checkpoint)
+from vllm_engines import TOOL_CALLING, EngineSpec, VllmServer, own_cores, start_bench_servers  # noqa: E402
 
 BLOCK = 32
 #: What kvledger's own ranks serve.
@@ -329,23 +328,8 @@ def run(spec: Run, fleet: Fleet, keys_file: Path, keys: dict[str, str], setup: S
 
 def start_servers(work: Path, blocks: int) -> list[VllmServer]:
     """Two servers on the tiny checkpoint, a core each, ``blocks`` KV blocks each, tool calling on."""
-    python = vllm_python()
-    model = write_tiny_checkpoint(work / "tiny", python)
-    servers = []
-    for i, cores in enumerate(own_cores([EngineSpec(), EngineSpec()])):
-        (work / f"e{i}").mkdir()
-        servers.append(VllmServer(python, model, work / f"e{i}", block_size=BLOCK, cores=cores,
-                                  args=(*TOOL_CALLING, "--num-gpu-blocks-override", str(blocks))))
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready()
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-    return servers
+    return start_bench_servers(work, own_cores([EngineSpec(), EngineSpec()]),
+                               (*TOOL_CALLING, "--num-gpu-blocks-override", str(blocks)), BLOCK)
 
 
 def pct(xs: list[float], q: float) -> float:

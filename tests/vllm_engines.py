@@ -397,6 +397,28 @@ def own_cores(specs: Sequence[EngineSpec]) -> list[str | None]:
     return ["|".join(cpus[start:start + size]) for start, size in zip(starts, sizes)]
 
 
+def start_bench_servers(work: Path, cores: Sequence[str | None], args: Sequence[str],
+                        block_size: int = 32) -> list[VllmServer]:
+    """For a benchmark: one server per entry of ``cores`` (its ``VLLM_CPU_OMP_THREADS_BIND``) on one tiny checkpoint
+    written under ``work``, each with ``args``; returns once all are ready, and stops them all if one fails."""
+    python = vllm_python()
+    model = write_tiny_checkpoint(work / "tiny", python)
+    servers = []
+    for i, bind in enumerate(cores):
+        (work / f"e{i}").mkdir()
+        servers.append(VllmServer(python, model, work / f"e{i}", block_size=block_size, cores=bind, args=args))
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
 def start_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                   specs: Sequence[EngineSpec], timeout_s: float = START_TIMEOUT_S) -> list[VllmServer]:
     """Start one engine per spec, all at once, on one tiny checkpoint, each on cores of its own (``own_cores``);

@@ -280,7 +280,7 @@ class Background:
 
     def __init__(self, url: str, model: str, streams: int, seed: int) -> None:
         self.url, self.model, self.stop_ = url, model, threading.Event()
-        self.prompt = self.cached = 0
+        self.prompt = self.cached = self.requests = 0
         self._lock = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, args=(seed * 100 + i,), daemon=True)
                         for i in range(streams)]
@@ -296,6 +296,7 @@ class Background:
                                                                "max_tokens": 256, "ignore_eos": True})
                 u = r.json().get("usage") or {}
                 with self._lock:
+                    self.requests += r.status_code == 200
                     self.prompt += int(u.get("prompt_tokens") or 0)
                     self.cached += int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
@@ -369,6 +370,7 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
     if background is not None:
         counts[0].prompt -= background.prompt
         counts[0].hits -= background.cached
+        counts[0].requests -= background.requests
     return RunResult(name, ttft, failed, counts, wall)
 
 

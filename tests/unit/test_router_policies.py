@@ -397,4 +397,21 @@ def test_kv_weighs_the_reuse_a_placement_would_evict():
         return policy.route(req(new, 0), states, {}).rank
 
     assert placed(KvCostModel(allow_migration=False, eviction_weight=1)) == 1
-    assert placed(KvCostModel(allow_migration=False)) == 0
+    assert placed(KvCostModel(allow_migration=False, eviction_weight=0)) == 0
+
+
+def test_kv_counts_migrated_blocks_as_taking_room_on_the_target():
+    """Rank 0 holds the prompt's 10 blocks and is swamped, so the prefix moves. Rank 1 is full of a hot document,
+    rank 2 of blocks seen once and a little busier: the 10 moved blocks would push the hot ones out of rank 1, so
+    they go to rank 2 (were only the blocks computed beyond them to take room, rank 1 would look cheaper)."""
+    hot, cold = list(range(100, 141)), [list(range(300 + 50 * i, 341 + 50 * i)) for i in range(3)]
+    policy = KvPolicy(dataclasses.replace(COST, eviction_weight=1, occupancy_weight=0, recent_requests=0))
+    full = [RankState(r, kv_total_blocks=13) for r in range(3)]
+    for _ in range(3):
+        policy.on_routed(req(hot, 0), RouteDecision(1, "kv", loads={1: full[1]}))
+    for c in cold:
+        policy.on_routed(req(c, 0), RouteDecision(2, "kv", loads={2: full[2]}))
+    states = [RankState(0, queued_prefill_tokens=10_000, kv_total_blocks=13), RankState(1, kv_total_blocks=13),
+              RankState(2, queued_prefill_tokens=8, kv_total_blocks=13)]
+    d = policy.route(req(PROMPT41, 0), states, {0: held(10)})
+    assert (d.rank, d.migrate_from, d.migrate_blocks) == (2, 0, 10)

@@ -44,132 +44,54 @@ import sys
 import tempfile
 import threading
 import time
-import venv
-from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
-from vllm_engines import VllmServer, cache_root, free_port, start_bench_servers  # noqa: E402
+from vllm_engines import VllmServer, start_bench_servers  # noqa: E402
 
+from kvledger.replay.bounds import static_split_cached_tokens  # noqa: E402
+from kvledger.replay.engine_totals import EngineTotals  # noqa: E402
+from kvledger.replay.peers import Peer, PeerRouter, event_endpoints, wait_serving  # noqa: E402
+from kvledger.replay.text_prompts import prompt_text  # noqa: E402
 from kvledger.replay.trace import Trace  # noqa: E402
 from kvledger.replay.workloads import WORKLOADS, WorkloadConfig, workload  # noqa: E402
 
 BLOCK = 32
-PEER_PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 HTTP_TIMEOUT_S = 120.0
-START_TIMEOUT_S = 120.0
-#: The routers, in the order they run: (name, the command after its executable, given urls, events, port).
+#: The routers, in the order they run: the router, then its policy.
 ROUTERS = ("kvledger kv", "sglang-router cache_aware", "vllm-router kv_aware", "vllm-router cache_aware",
            "vllm-router round_robin")
 
 
 # ---------------------------------------------------------------------------------------------- the workload
 
-def block_text(block_id: int) -> str:
-    """The ``BLOCK`` characters trace block ``block_id`` stands for: deterministic, lower-case words."""
-    rng = random.Random(block_id * 7919 + 1)
-    chars = []
-    while len(chars) < BLOCK:
-        chars.extend(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
-        chars.append(" ")
-    return "".join(chars[:BLOCK])
-
-
-def prompt_text(ids: tuple[int, ...], length: int) -> str:
-    """A request's text: its blocks' characters cut to ``length``. The tiny checkpoint's byte tokenizer makes it
-    ``<s>`` and one token per character, so two prompts share whole blocks exactly where their ids agree."""
-    return "".join(block_text(i) for i in ids)[:length]
+def prompt_of(r) -> str:   # type: ignore[no-untyped-def]
+    """A request's text: ``BLOCK`` characters per trace block (``replay.text_prompts``), which the tiny checkpoint's
+    byte tokenizer makes ``<s>`` and one token per character, so prompts share whole blocks where their ids agree."""
+    return prompt_text(r.hash_ids, r.input_length, BLOCK)
 
 
 def offline_bound(trace: Trace, capacities: list[int]) -> float:
-    """The best static split's hit rate (module docstring), over the prompt tokens, at ``BLOCK``-token blocks."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, r in enumerate(trace.requests):
-        groups[r.hash_ids[0]].append(i)
-    sizes = {g: len({b for i in idx for b in trace.requests[i].hash_ids}) for g, idx in groups.items()}
-
-    def hits(order: list[int]) -> int:
-        load = [0] * len(capacities)
-        home: dict[int, int] = {}
-        for g in order:   # onto the engine with the most room left, relative to its capacity
-            e = max(range(len(capacities)), key=lambda k: (capacities[k] - load[k]) / capacities[k])
-            home[g] = e
-            load[e] += sizes[g]
-        caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
-        total = 0
-        for r in trace.requests:
-            e = home[r.hash_ids[0]]
-            lru, full = caches[e], (r.input_length - 1) // BLOCK
-            held = 0
-            for b in r.hash_ids[:full]:
-                if b not in lru:
-                    break
-                held += 1
-            total += held * BLOCK
-            for b in (("out", id(r)), *reversed(r.hash_ids)):   # freed tail first, as vLLM frees them
-                lru[b] = None
-                lru.move_to_end(b)
-            while len(lru) > capacities[e]:
-                lru.popitem(last=False)
-        return total
-
-    by_traffic = sorted(groups, key=lambda g: -len(groups[g]) * sizes[g])
-    by_size = sorted(groups, key=lambda g: -sizes[g])
-    prompt = sum(r.input_length + 1 for r in trace.requests)   # and each its <s>
-    return max(hits(by_traffic), hits(by_size)) / prompt
+    """The best static split's hit rate (``replay.bounds.static_split_cached_tokens``) over the prompt tokens, each
+    with its ``<s>``."""
+    cached = static_split_cached_tokens([r.hash_ids for r in trace.requests], [r.input_length for r in trace.requests],
+                                        BLOCK, capacities)
+    return cached / sum(r.input_length + 1 for r in trace.requests)
 
 
 # ---------------------------------------------------------------------------------------------- engines
-
-@dataclass
-class EngineCounts:
-    """One server's counters from ``/metrics``."""
-
-    prompt: float = 0.0
-    hits: float = 0.0
-    requests: float = 0.0
-
-    @classmethod
-    def read(cls, client: httpx.Client, url: str) -> EngineCounts:
-        c = cls()
-        for family in text_string_to_metric_families(client.get(f"{url}/metrics").text):
-            for s in family.samples:
-                if s.name == "vllm:prompt_tokens_total":
-                    c.prompt += s.value
-                elif s.name == "vllm:prefix_cache_hits_total":
-                    c.hits += s.value
-                elif s.name == "vllm:request_success_total":
-                    c.requests += s.value
-        return c
-
-    def since(self, before: EngineCounts) -> EngineCounts:
-        return EngineCounts(self.prompt - before.prompt, self.hits - before.hits, self.requests - before.requests)
-
 
 def start_servers(work: Path, count: int, blocks: int) -> list[VllmServer]:
     """``count`` servers, engine i bound to core i mod the machine's cores (two on a core share it, bound)."""
     cpus = sorted(os.sched_getaffinity(0))
     return start_bench_servers(work, [str(cpus[i % len(cpus)]) for i in range(count)],
                                ("--num-gpu-blocks-override", str(blocks), "--enable-scale-out"), BLOCK)
-
-
-def peer_venv() -> Path:
-    """The peer routers' virtual environment (built once, from ``PEER_PINS``): its ``bin``."""
-    root = cache_root() / ("peer-routers-" + "-".join(p.split("==")[1] for p in PEER_PINS))
-    done = root / ".kvledger-pip-install-done"
-    if not done.exists():
-        venv.create(root, with_pip=True, clear=True)
-        subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", *PEER_PINS], check=True,
-                       timeout=1800)
-        done.touch()
-    return root / "bin"
 
 
 # ---------------------------------------------------------------------------------------------- routers
@@ -200,51 +122,26 @@ def serve_kvledger(spec: dict) -> None:
     service.close()
 
 
-class RouterProcess:
-    """One router in a process of its own, stopped by its own process id."""
+class KvledgerRouter:
+    """kvledger's router in a process of its own (``--serve-router``), as the peers run, stopped by closing its
+    stdin."""
 
-    def __init__(self, name: str, servers: list[str], events: list[str], model: str) -> None:
-        kind, policy = name.split()
-        self.name = name
-        port = 0 if kind == "kvledger" else free_port()
-        if kind == "kvledger":
-            cmd = [sys.executable, __file__, "--serve-router", json.dumps({"policy": policy, "urls": servers})]
-        else:
-            bin_ = peer_venv()
-            cmd = ([str(bin_ / "sglang-router"), "launch"] if kind == "sglang-router" else [str(bin_ / "vllm-router")])
-            cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *servers,
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-            if policy == "kv_aware":
-                cmd += [a for url, ep in zip(servers, events) for a in ("--kv-event-source", f"{url}={ep}")]
-                cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", model]
+    def __init__(self, policy: str, servers: list[str], model: str) -> None:
+        self.name = f"kvledger {policy}"
+        cmd = [sys.executable, __file__, "--serve-router", json.dumps({"policy": policy, "urls": servers})]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-router-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE if port == 0 else self.log,
-                                     stderr=self.log, text=True, start_new_session=True)
-        if port == 0:
-            line = self.proc.stdout.readline()
-            if not line.strip().isdigit():
-                self.close()
-                raise RuntimeError(f"{name} did not start: {self.tail()}")
-            port = int(line)
-        self.url = f"http://127.0.0.1:{port}"
-        self._wait(model)
-
-    def _wait(self, model: str) -> None:
-        """Until a one-token completion goes through (every worker found healthy)."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with httpx.Client(timeout=10.0) as c:
-            while time.monotonic() < deadline:   # bounded by the deadline
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}")
-                try:
-                    r = c.post(f"{self.url}/v1/completions", json={"model": model, "prompt": "warm", "max_tokens": 1})
-                    if r.status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-        self.close()
-        raise TimeoutError(f"{self.name} not serving after {START_TIMEOUT_S:g} s: {self.tail()}")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)
+        line = self.proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"{self.name} did not start: {self.tail()}")
+        self.url = f"http://127.0.0.1:{int(line)}"
+        try:
+            wait_serving(self.url, self.proc, self.name, model, self.tail)
+        except BaseException:
+            self.close()
+            raise
 
     def tail(self) -> str:
         self.log.flush()
@@ -260,6 +157,13 @@ class RouterProcess:
             self.proc.wait(timeout=30)
 
 
+def start_router(name: str, servers: list[str], events: list[str], model: str) -> KvledgerRouter | PeerRouter:
+    kind, policy = name.split()
+    if kind == "kvledger":
+        return KvledgerRouter(policy, servers, model)
+    return PeerRouter(Peer(kind, policy), servers, events, model, BLOCK)
+
+
 # ---------------------------------------------------------------------------------------------- one run
 
 @dataclass
@@ -267,12 +171,12 @@ class RunResult:
     router: str
     ttft: list[float] = field(default_factory=list)
     failed: int = 0
-    counts: list[EngineCounts] = field(default_factory=list)
+    counts: list[EngineTotals] = field(default_factory=list)
     wall_s: float = 0.0
 
     def hit_rate(self) -> float:
-        prompt = sum(c.prompt for c in self.counts)
-        return sum(c.hits for c in self.counts) / prompt if prompt else 0.0
+        prompt = sum(c.prompt_tokens for c in self.counts)
+        return sum(c.cached_tokens for c in self.counts) / prompt if prompt else 0.0
 
 
 class Background:
@@ -306,7 +210,7 @@ class Background:
             t.join(timeout=HTTP_TIMEOUT_S)
 
 
-def replay(router: RouterProcess, trace: Trace, model: str, concurrency: int) -> tuple[list[float], int]:
+def replay(router: KvledgerRouter | PeerRouter, trace: Trace, model: str, concurrency: int) -> tuple[list[float], int]:
     """The trace through ``router`` at its arrival times, at most ``concurrency`` at once: TTFTs, failures."""
     ttft: list[float] = []
     failed = 0
@@ -316,7 +220,7 @@ def replay(router: RouterProcess, trace: Trace, model: str, concurrency: int) ->
     def one(i: int, client: httpx.Client) -> None:
         nonlocal failed
         r = trace.requests[i]
-        body = {"model": model, "prompt": prompt_text(r.hash_ids, r.input_length), "max_tokens": r.output_length,
+        body = {"model": model, "prompt": prompt_of(r), "max_tokens": r.output_length,
                 "stream": True, "ignore_eos": True}
         start = time.perf_counter()
         try:
@@ -351,8 +255,8 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
     with httpx.Client(timeout=30.0) as c:
         for url in urls:
             c.post(f"{url}/reset_prefix_cache").raise_for_status()
-        before = [EngineCounts.read(c, u) for u in urls]
-    router = RouterProcess(name, urls, events, model)
+        before = [EngineTotals.read(c, u) for u in urls]
+    router = start_router(name, urls, events, model)
     background = Background(urls[0], model, slow_streams, 1) if slow_streams else None
     try:
         if background is not None:
@@ -366,11 +270,9 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
         router.close()
     time.sleep(0.5)   # the last counters in
     with httpx.Client(timeout=30.0) as c:
-        counts = [EngineCounts.read(c, u).since(b) for u, b in zip(urls, before)]
-    if background is not None:
-        counts[0].prompt -= background.prompt
-        counts[0].hits -= background.cached
-        counts[0].requests -= background.requests
+        counts = [EngineTotals.read(c, u).since(b) for u, b in zip(urls, before)]
+    if background is not None:   # the other tenant's own requests, as they were answered
+        counts[0] = counts[0].since(EngineTotals(background.prompt, background.cached, background.requests))
     return RunResult(name, ttft, failed, counts, wall)
 
 
@@ -429,8 +331,7 @@ def main() -> None:
             urls = args.vllm or [s.url for s in servers]
             with httpx.Client(timeout=10.0) as c:
                 model = c.get(f"{urls[0]}/v1/models").json()["data"][0]["id"]
-                sources = [c.get(f"{u}/kv_event_sources").json()["0"]["endpoint"] for u in urls]
-            events = [ep.replace("*", "127.0.0.1") for ep in sources]
+                events = event_endpoints(c, urls)
             modes = [("even", 0)] + ([("engine 0 slowed", args.slow_streams)] if args.slow else [])
             for mode, streams in modes:
                 results = [run(name, urls, events, model, trace, args.concurrency, streams) for name in routers]

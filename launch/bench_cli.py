@@ -105,6 +105,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
             converters={"trace": Converter(str, metavar="FILE|synthetic|docs|powerlaw|unique"),
                         "policy": Converter(str, metavar="NAME[,NAME...]|all"),
                         "engine": Converter(str, metavar="sim|tiny|vllm"), "vllm": Converter(str, metavar="URL"),
+                        "peer": Converter(str, metavar="NAME[:POLICY]"),
                         "ranks": POSITIVE_INT, "tokens_per_block": POSITIVE_INT, "limit": POSITIVE_INT,
                         "routers": POSITIVE_INT, "jobs": NONNEG_INT, "speed": POSITIVE_FLOAT,
                         "event_lag_s": NONNEG_FLOAT, "load_report_s": NONNEG_FLOAT}),
@@ -179,9 +180,15 @@ def run_bench(args: argparse.Namespace) -> int:
             ratio = f"{delivered / predicted:.3f}" if predicted else "-"
             print(f"{name}: cached tokens predicted by the index {predicted}, delivered by the ranks {delivered}, "
                   f"delivered/predicted {ratio}")
+            if "engines" in e:
+                split = " / ".join(str(x["requests"]) for x in e["engines"])  # type: ignore[union-attr]
+                print(f"{name}: the servers' own counters: hit rate {e['engine_hit_rate']:.1%}, requests per "
+                      f"server {split}")
             if e["failed"] or e["inconsistent"]:
                 print(f"{name}: {e['failed']} request(s) failed, {e['inconsistent']} with cached + computed != "
                       f"prompt tokens; first errors: {e['errors']}", file=sys.stderr)
+    if result.engine == "vllm":
+        print(report.peer_goals(result.summaries, result.extra["vllm"]))  # type: ignore[arg-type]
     if outputs.json:
         doc = report.to_json(result.meta(), result.bounds, result.summaries)
         if replicas is not None:

@@ -69,6 +69,49 @@ def pooled_lru_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequence[
     return hits
 
 
+def static_split_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequence[int], tokens_per_block: int,
+                               capacities: Sequence[int]) -> int:
+    """The best static split's cached tokens: requests grouped by their first block (a document, a system prompt),
+    each group kept whole on one engine; groups placed one by one on the engine with the most room left for its
+    capacity, the busiest groups first (traffic times size) or the largest first, whichever holds more. Each engine
+    is an LRU of its capacity in blocks that frees a request's blocks tail first, one block more per request (its
+    partial tail and output) before its chain, as vLLM frees them. What a router that knew the workload in advance
+    and never moved a group would reach: the offline bound a live router is measured against."""
+    if not capacities or any(type(c) is not int or c < 1 for c in capacities):
+        raise ValueError(f"capacities must be positive ints, got {list(capacities)!r}")
+    groups: dict[int, list[int]] = {}
+    for i, ids in enumerate(chains):
+        if ids:
+            groups.setdefault(ids[0], []).append(i)
+    sizes = {g: len({b for i in idx for b in chains[i]}) for g, idx in groups.items()}
+
+    def cached(order: list[int]) -> int:
+        load = [0] * len(capacities)
+        home: dict[int, int] = {}
+        for g in order:
+            e = max(range(len(capacities)), key=lambda k: (capacities[k] - load[k]) / capacities[k])
+            home[g] = e
+            load[e] += sizes[g]
+        caches: list[OrderedDict[object, None]] = [OrderedDict() for _ in capacities]
+        hits = 0
+        for i, (ids, n) in enumerate(zip(chains, lengths)):
+            if not ids:
+                continue
+            e = home[ids[0]]
+            lru = caches[e]
+            hits += _held_prefix_tokens(ids, n, tokens_per_block, lru)
+            for b in (("tail", i), *reversed(ids)):
+                lru[b] = None
+                lru.move_to_end(b)
+            while len(lru) > capacities[e]:
+                lru.popitem(last=False)
+        return hits
+
+    by_traffic = sorted(groups, key=lambda g: -len(groups[g]) * sizes[g])
+    by_size = sorted(groups, key=lambda g: -sizes[g])
+    return max(cached(by_traffic), cached(by_size))
+
+
 def compute_bounds(chains: Sequence[Sequence[int]], lengths: Sequence[int], tokens_per_block: int,
                    capacity_blocks: int) -> Bounds:
     """Both bounds; ``chains[i]`` are ``BlockChains.chain`` ids of request i, ``lengths[i]`` its prompt tokens."""

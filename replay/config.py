@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvledger.replay.simulator import SimCosts
+from kvledger.replay.peers import parse_peers
 from kvledger.router.policies import policy_names
 
 #: Block size of the tiny cluster's ledgers when ``--tokens-per-block`` is not given.
@@ -105,6 +106,11 @@ class BenchConfig:
     vllm: tuple[str, ...] = ()
     """``engine="vllm"``: the vLLM servers replayed through, ``http://HOST:PORT``, one rank each, started with
     ``VLLM_SERVER_DEV_MODE=1`` so the bench can reset their prefix caches (``replay/vllm.py``)."""
+    peer: tuple[str, ...] = ()
+    """``engine="vllm"``: the routers people pick instead, run after kvledger's policies in front of the same servers:
+    ``sglang-router`` (its ``cache_aware``), ``vllm-router`` (``kv_aware``, ``cache_aware``, ``round_robin``), or
+    ``NAME:POLICY`` for one (``replay/peers.py``; installed from PyPI on first use, never a dependency). With peers,
+    every router gets the prompts as text."""
     routers: int = 1
     """Router replicas the simulated requests are spread over, each with its own index fed the same events and
     its own load account (``replay/replicas.py`` compares 1, 2, 4 ... N against the 1-router run; ``engine="sim"``
@@ -127,6 +133,9 @@ class BenchConfig:
             raise ValueError(f"--engine must be one of {ENGINES}, got {self.engine!r}")
         if (self.engine == "vllm") != bool(self.vllm):
             raise ValueError("--engine vllm replays through vLLM servers: give each with --vllm URL (and only then)")
+        if self.peer and self.engine != "vllm":
+            raise ValueError("--peer runs a peer router in front of vLLM servers: it needs --engine vllm")
+        parse_peers(self.peer)
         if self.policy != "all":
             for name in self.policy.split(","):
                 if name not in policy_names():

@@ -70,7 +70,8 @@ def summarize(run: PolicyRun, bounds: Bounds, ranks: int, shed: int = 0) -> Poli
         output_tokens_per_s=run.output_tokens / span if span > 0 else 0.0,
         hit_rate_vs_pooled_lru=hit / lru if lru > 0 else math.nan,
         work_per_rank_s=[round(w, 3) for w in run.work_s],
-        requests_per_rank=np.bincount(run.rank, minlength=ranks).tolist(), makespan_s=span, wall_s=run.wall_s,
+        requests_per_rank=(np.bincount(run.rank, minlength=ranks).tolist() if run.requests_per_rank is None
+                           else run.requests_per_rank), makespan_s=span, wall_s=run.wall_s,
         shed=shed, goodput_rps=int((run.ttft_s <= GOODPUT_TTFT_S).sum()) / span if span > 0 else 0.0)
 
 
@@ -84,6 +85,23 @@ def to_json(meta: dict[str, object], bounds: Bounds, summaries: dict[str, Policy
                               "policies": {name: asdict(s) for name, s in summaries.items()}}
     out.update({k: v for k, v in meta.items() if k not in out})
     return out
+
+
+def peer_goals(summaries: dict[str, PolicySummary], vllm: dict[str, object]) -> str:
+    """The lines that put ``kv`` beside the peer routers and the offline bound (a replay through vLLM servers)."""
+    split, blocks = vllm["static_split_hit_rate"], vllm["server_blocks"]
+    lines = [f"offline bound, the best static split of the workload over the servers' {blocks} blocks: {split:.1%}"
+             if blocks else "offline bound: the servers report no block counts"]
+    ours, peers = summaries.get("kv"), [summaries[n] for n in vllm["peers"]]  # type: ignore[attr-defined]
+    if ours is not None and peers:
+        best_hit = max(p.hit_rate for p in peers)
+        best_p90 = min(p.ttft_p90_s for p in peers)
+        hit = f"{ours.hit_rate / best_hit:.3f}" if best_hit else "-"
+        p90 = f"{ours.ttft_p90_s / best_p90:.3f}" if best_p90 else "-"
+        lines.append(f"kv / best peer: hit rate {hit} (goal >= 1), TTFT p90 {p90} (goal <= 1)")
+    if ours is not None and blocks and split:
+        lines.append(f"kv / offline bound: {ours.hit_rate / split:.3f} (goal >= 0.95)")  # type: ignore[operator]
+    return "\n".join(lines)
 
 
 def write_json(path: str | Path, doc: dict[str, object]) -> None:

@@ -187,6 +187,8 @@ class PolicyRun:
     """Requests some rank held a prefix of (full blocks) when they were routed."""
     to_longest: int = 0
     """Of those, the requests sent to a rank holding the longest such prefix."""
+    requests_per_rank: list[int] | None = None
+    """Requests each rank served as the engines counted them (a replay through vLLM servers); ``None``: ``rank``'s."""
 
     @property
     def routing_precision(self) -> float:

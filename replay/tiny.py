@@ -150,8 +150,11 @@ class PolicyReplay:
     rank_base = 0
     """The router's number of the first rank (the ranks of a run are ``rank_base`` on, consecutive)."""
 
-    def __init__(self, trace: Trace, tokens: list[list[int]], policy: str, sim: SimConfig, options: TinyOptions,
-                 name: str) -> None:
+    fields: dict[str, object] = {}
+    """Fields every request carries besides the trace's (a server's model name)."""
+
+    def __init__(self, trace: Trace, tokens: list[list[int]] | list[str], policy: str, sim: SimConfig,
+                 options: TinyOptions, name: str) -> None:
         self.trace, self.tokens, self.policy, self.sim, self.options, self.name = (trace, tokens, policy, sim,
                                                                                    options, name)
 
@@ -221,7 +224,7 @@ class PolicyReplay:
 
         def send(i: int, client) -> None:  # type: ignore[no-untyped-def]
             r = reqs[i]
-            body: dict[str, object] = {"prompt": self.tokens[i], "max_tokens": r.output_length}
+            body: dict[str, object] = {"prompt": self.tokens[i], "max_tokens": r.output_length, **self.fields}
             if r.cache_salt is not None:
                 body["cache_salt"] = r.cache_salt
             if r.lora_id is not None:
@@ -234,12 +237,7 @@ class PolicyReplay:
                     a = _Answer(False, f"HTTP {resp.status_code}: {resp.text[:300]}", sent=sent, done=done,
                                 shed=resp.status_code == 429)
                 else:
-                    d = resp.json()
-                    u, k = d["usage"], d["kvledger"]
-                    a = _Answer(True, "", int(k["rank"]) - self.rank_base, int(u["prompt_tokens"]),
-                                int(u["prompt_tokens_details"]["cached_tokens"]), int(k["computed_tokens"]),
-                                int(k["onboarded_blocks"]), int(k["migrated_blocks"]), int(u["completion_tokens"]),
-                                sent, done, int(k["predicted_cached_tokens"]))
+                    a = self._answer(resp.json(), sent, done)
             except Exception as e:  # a failed request is reported, never fatal to the replay
                 a = _Answer(False, f"{type(e).__name__}: {e}", sent=sent, done=time.perf_counter() - t0)
             answers[i] = a
@@ -262,6 +260,15 @@ class PolicyReplay:
                 f.cancel()
         replay_s = time.perf_counter() - t0
         return self._result(answers, arrivals, startup_s, replay_s, time.perf_counter() - wall0)
+
+    def _answer(self, d: dict, sent: float, done: float) -> _Answer:
+        """One answer's figures: the usage, and what kvledger's router adds (the rank, its computed, onboarded and
+        migrated figures, the cached tokens its index predicted)."""
+        u, k = d["usage"], d["kvledger"]
+        return _Answer(True, "", int(k["rank"]) - self.rank_base, int(u["prompt_tokens"]),
+                       int(u["prompt_tokens_details"]["cached_tokens"]), int(k["computed_tokens"]),
+                       int(k["onboarded_blocks"]), int(k["migrated_blocks"]), int(u["completion_tokens"]),
+                       sent, done, int(k["predicted_cached_tokens"]))
 
     def _result(self, answers: list[_Answer], arrivals: np.ndarray, startup_s: float, replay_s: float,
                 wall_s: float) -> tuple[PolicyRun, dict[str, object]]:

@@ -19,20 +19,30 @@ servers delivered.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from kvledger.replay.bounds import compute_bounds
+from kvledger.replay.bounds import compute_bounds, static_split_cached_tokens
 from kvledger.replay.config import START_TIMEOUT_S, BenchConfig
+from kvledger.replay.engine_totals import EngineTotals
+from kvledger.replay.peers import Peer, PeerRouter, event_endpoints, parse_peers
 from kvledger.replay.report import summarize
 from kvledger.replay.result import BenchResult
 from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
-from kvledger.replay.tiny import PolicyReplay, load_tiny_trace
+from kvledger.replay.text_prompts import prompt_text
+from kvledger.replay.tiny import PolicyReplay, _Answer, load_tiny_trace
 from kvledger.replay.trace import BlockChains, Trace, expand_tokens
 from kvledger.router.feed import FOREIGN_RANK_BASE
 from kvledger.router.prompt_tokenizer import HfTokenizer
 from kvledger.router.vllm_engine import VllmEngine
+from kvledger.router.vllm_server import VllmServer
+
+
+METRICS_TIMEOUT_S = 30.0
+METRICS_SETTLE_S = 0.5
+"""How long the servers' counters are given to take in a run's last answers."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,11 +54,13 @@ class ServerFacts:
     vocab_size: int
     block_size: int
     """The smallest of the servers' (each is indexed at its own; the bounds are computed at this one)."""
+    num_blocks: tuple[int, ...] = ()
+    """Each server's KV blocks (``num_gpu_blocks``; 0 where it reports none)."""
 
 
 def server_facts(urls: tuple[str, ...]) -> ServerFacts:
     """Ask each server (``VllmServer.discover``); a ``ValueError`` names what they disagree on or lack."""
-    facts = []
+    facts, blocks = [], []
     for i, url in enumerate(urls):
         engines = VllmEngine.connect_all(FOREIGN_RANK_BASE + i, url)   # a data-parallel server's cores agree
         try:
@@ -64,36 +76,35 @@ def server_facts(urls: tuple[str, ...]) -> ServerFacts:
         finally:
             for engine in engines:
                 engine.close()
+        server = VllmServer(url)
+        try:
+            blocks.append(server.discover().num_blocks or 0)
+        finally:
+            server.close()
     if len({(f.model, f.max_model_len, f.vocab_size) for f in facts}) > 1:
         raise ValueError(f"the vLLM servers serve different models (model, length or vocabulary): {facts}")
-    return dataclasses.replace(facts[0], block_size=min(f.block_size for f in facts))
+    return dataclasses.replace(facts[0], block_size=min(f.block_size for f in facts), num_blocks=tuple(blocks))
 
 
 class VllmPolicyReplay(PolicyReplay):
-    """One policy through the servers: caches emptied, a fresh in-process router, the trace over HTTP."""
+    """One policy through the servers: a fresh in-process router, caches emptied, the trace over HTTP, and the
+    servers' own counters read around it (``replay.engine_totals``)."""
 
     rank_base = FOREIGN_RANK_BASE
 
-    def __init__(self, trace: Trace, tokens: list[list[int]], policy: str, sim: SimConfig, options, name: str,
-                 urls: tuple[str, ...]) -> None:
+    def __init__(self, trace: Trace, tokens: list[list[int]] | list[str], policy: str, sim: SimConfig, options,
+                 name: str, urls: tuple[str, ...], model: str) -> None:
         super().__init__(trace, tokens, policy, sim, options, name)
         self.urls = urls
+        self.fields = {"model": model}
 
-    def run(self, progress: Callable[[int], None] | None = None) -> tuple[PolicyRun, dict[str, object]]:
-        import httpx
-
+    @contextlib.contextmanager
+    def _router(self) -> Iterator[str]:
+        """kvledger's router with this policy, in this process, its HTTP API on 127.0.0.1: its URL."""
         from kvledger.router.config import RouterConfig
         from kvledger.router.http import HttpServer, make_app
         from kvledger.router.service import RouterService
-        from kvledger.router.vllm_server import VllmServer
 
-        wall0 = time.perf_counter()
-        for url in self.urls:
-            server = VllmServer(url)
-            try:
-                server.reset_prefix_cache()
-            finally:
-                server.close()
         s = self.sim
         service = RouterService(None, RouterConfig(tokens_per_block=s.tokens_per_block, policy=self.policy,
                                                    seed=s.seed, vllm=self.urls,
@@ -101,11 +112,59 @@ class VllmPolicyReplay(PolicyReplay):
         try:
             http = HttpServer(make_app(service), port=0).start(START_TIMEOUT_S)
             try:
-                return self._replay(http.url, httpx, progress, time.perf_counter() - wall0, wall0)
+                yield http.url
             finally:
                 http.stop()
         finally:
             service.close()
+
+    def run(self, progress: Callable[[int], None] | None = None) -> tuple[PolicyRun, dict[str, object]]:
+        import httpx
+
+        wall0 = time.perf_counter()
+        with self._router() as url, httpx.Client(timeout=METRICS_TIMEOUT_S) as client:
+            for server_url in self.urls:
+                server = VllmServer(server_url)
+                try:
+                    server.reset_prefix_cache()
+                finally:
+                    server.close()
+            before = [EngineTotals.read(client, u) for u in self.urls]
+            run, extra = self._replay(url, httpx, progress, time.perf_counter() - wall0, wall0)
+            time.sleep(METRICS_SETTLE_S)
+            totals = [EngineTotals.read(client, u).since(b) for u, b in zip(self.urls, before)]
+        run.requests_per_rank = [round(t.requests) for t in totals]
+        run.work_s = [t.busy_s for t in totals]
+        prompt = sum(t.prompt_tokens for t in totals)
+        extra["engines"] = [{"url": u, "requests": round(t.requests), "prompt_tokens": round(t.prompt_tokens),
+                             "cached_tokens": round(t.cached_tokens), "busy_s": round(t.busy_s, 3)}
+                            for u, t in zip(self.urls, totals)]
+        extra["engine_hit_rate"] = sum(t.cached_tokens for t in totals) / prompt if prompt else 0.0
+        return run, extra
+
+
+class PeerPolicyReplay(VllmPolicyReplay):
+    """The same, through a peer router (``replay.peers``): its answers carry no kvledger figures, so the rank of a
+    request is unknown (the engines' counters split them) and its computed tokens are its prompt less its cached."""
+
+    def __init__(self, trace: Trace, tokens: list[str], peer: Peer, sim: SimConfig, options, urls: tuple[str, ...],
+                 model: str, events: list[str]) -> None:
+        super().__init__(trace, tokens, peer.name, sim, options, peer.name, urls, model)
+        self.peer, self.events = peer, events
+
+    @contextlib.contextmanager
+    def _router(self) -> Iterator[str]:
+        router = PeerRouter(self.peer, list(self.urls), self.events, self.fields["model"], self.sim.tokens_per_block)
+        try:
+            yield router.url
+        finally:
+            router.close()
+
+    def _answer(self, d: dict, sent: float, done: float) -> _Answer:
+        u = d["usage"]
+        prompt, cached = int(u["prompt_tokens"]), int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return _Answer(True, "", -1, prompt, cached, prompt - cached, output=int(u["completion_tokens"]), sent=sent,
+                       done=done)
 
 
 def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
@@ -126,22 +185,41 @@ def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = 
                     speed=config.speed, migration=False, seed=config.seed)
     check_fits(trace, sim)
     bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb, sim.capacity_blocks)
-    tokens = [expand_tokens(r.hash_ids, r.input_length, trace.block_size, vocab_size=facts.vocab_size)
-              for r in trace.requests]
+    peers = parse_peers(config.peer)
+    if peers:   # the peers take text only: every router gets the same text, one block's characters per trace block
+        tokens: list[list[int]] | list[str] = [prompt_text(r.hash_ids, r.input_length, trace.block_size)
+                                               for r in trace.requests]
+    else:
+        tokens = [expand_tokens(r.hash_ids, r.input_length, trace.block_size, vocab_size=facts.vocab_size)
+                  for r in trace.requests]
     policies = config.policies
     if on_trace is not None:
-        on_trace(trace, policies)
+        on_trace(trace, [*policies, *(p.name for p in peers)])
     runs: dict[str, PolicyRun] = {}
     extras: dict[str, dict[str, object]] = {}
     for p in policies:
-        replay = VllmPolicyReplay(trace, tokens, p, sim, fitted, f"kvledger-bench-vllm-{p}", urls)
+        replay = VllmPolicyReplay(trace, tokens, p, sim, fitted, f"kvledger-bench-vllm-{p}", urls, facts.model)
         runs[p], extras[p] = replay.run((lambda k, p=p: progress(p, k)) if progress else None)
+    if peers:
+        import httpx
+        with httpx.Client(timeout=METRICS_TIMEOUT_S) as client:
+            events = event_endpoints(client, list(urls))
+        for peer in peers:
+            replay = PeerPolicyReplay(trace, tokens, peer, sim, fitted, urls, facts.model, events)
+            runs[peer.name], extras[peer.name] = replay.run(
+                (lambda k, n=peer.name: progress(n, k)) if progress else None)
     summaries = {p: summarize(r, bounds, ranks) for p, r in runs.items()}
+    capacities = list(facts.num_blocks) if all(facts.num_blocks) else []
+    split = static_split_cached_tokens(chains, [r.input_length for r in trace.requests], tpb,
+                                       capacities) if capacities else 0
     extra = {"vllm": {"servers": list(urls), "model": facts.model, "max_model_len": facts.max_model_len,
                       "vocab_size": facts.vocab_size, "max_input_tokens": fitted.max_input_tokens,
                       "max_output_tokens": fitted.max_output_tokens, "concurrency": fitted.concurrency,
                       "ttft": "measured completion latency from the scheduled arrival",
                       "capacity": "the servers' own KV pools (the bounds assume an unlimited cache)",
+                      "prompts": "text, one block of characters per trace block" if peers else "token ids",
+                      "static_split_hit_rate": split / bounds.prompt_tokens if bounds.prompt_tokens else 0.0,
+                      "server_blocks": capacities, "peers": [p.name for p in peers],
                       "policies": extras}}
     return BenchResult(trace, sim, bounds, runs, summaries, time.perf_counter() - wall0, len(chains_of),
                        engine="vllm", extra=extra)

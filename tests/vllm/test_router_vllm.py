@@ -244,6 +244,36 @@ def test_bench_replays_a_trace_through_the_servers_policy_by_policy(router, vllm
         assert len(replayed.prompt_tokens) == 40 and set(replayed.rank.tolist()) <= {0, 1}, "ranks counted from 0"
 
 
+
+def test_bench_runs_sglang_router_beside_kv_on_the_same_servers_every_figure_from_the_servers(vllm_servers) -> None:
+    """``kvledger bench --engine vllm --peer sglang-router``: the peer from its PyPI package (a virtual environment
+    of its own, as the suite's vLLM), the same text prompts through both, the servers' caches reset before each."""
+    from kvledger.replay.config import BenchConfig, TinyOptions
+    from kvledger.replay.report import peer_goals
+    from kvledger.replay.runner import run
+
+    peer = "sglang-router cache_aware"
+    result = run(BenchConfig(engine="vllm", vllm=tuple(e.url for e in vllm_servers), policy="kv", limit=40,
+                             peer=("sglang-router",),
+                             tiny=TinyOptions(max_input_tokens=600, max_output_tokens=2, concurrency=4)))
+    assert set(result.runs) == {"kv", peer}
+    extra = result.extra["vllm"]
+    assert extra["prompts"].startswith("text") and extra["peers"] == [peer]
+    assert extra["server_blocks"] and all(b > 0 for b in extra["server_blocks"])
+    for name in ("kv", peer):
+        e, replayed, s = extra["policies"][name], result.runs[name], result.summaries[name]
+        assert e["failed"] == 0 and e["inconsistent"] == 0, (name, e["errors"])
+        assert sum(x["requests"] for x in e["engines"]) == 40, (name, e["engines"])   # counted by the servers
+        assert s.requests_per_rank == [x["requests"] for x in e["engines"]]
+        delivered = int(replayed.cached_tokens.sum())
+        assert delivered > 0, "the trace shares prefixes"
+        counted = sum(x["cached_tokens"] for x in e["engines"])
+        assert abs(counted - delivered) <= 0.05 * delivered, (name, counted, delivered)   # answers agree with /metrics
+    assert (result.runs[peer].rank == -1).all(), "a peer does not say which server answered"
+    goals = peer_goals(result.summaries, extra)
+    assert "kv / best peer: hit rate" in goals and "offline bound" in goals, goals
+
+
 # --- agents: tools, schemas and vLLM's own fields, through the router as sent ------------------------------
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",

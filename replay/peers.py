@@ -1,0 +1,150 @@
+"""The routers people pick instead of kvledger's, started from their PyPI packages in front of the same servers.
+
+``kvledger bench --engine vllm --peer sglang-router --peer vllm-router`` runs,
+after kvledger's own policies and through the same vLLM servers with their
+prefix caches reset before each: sglang-router's ``cache_aware``, and
+vllm-router's ``kv_aware`` (fed the servers' own ZMQ KV events), ``cache_aware``
+and ``round_robin``; ``NAME:POLICY`` picks one. They are bench extras, never
+kvledger's dependencies: ``peer_venv`` installs ``PEER_PINS`` into a virtual
+environment of their own under the cache root (``$KVLEDGER_CACHE`` or
+``~/.cache/kvledger``) on first use. Each runs as a process of its own on
+127.0.0.1, stopped by its own process id.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import venv
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+PEER_PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+#: Each peer's policies that ``--peer NAME`` runs, in order; kvledger's ``kv`` is measured against them.
+PEER_POLICIES = {"sglang-router": ("cache_aware",), "vllm-router": ("kv_aware", "cache_aware", "round_robin")}
+INSTALL_TIMEOUT_S = 1800.0
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """One peer router and the policy it runs."""
+
+    router: str
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.router} {self.policy}"
+
+
+def parse_peers(specs: tuple[str, ...]) -> list[Peer]:
+    """``--peer`` values (``NAME`` or ``NAME:POLICY``) as the runs they stand for; a ``ValueError`` names a bad one."""
+    out: list[Peer] = []
+    for spec in specs:
+        router, _, policy = spec.partition(":")
+        known = PEER_POLICIES.get(router)
+        if known is None:
+            raise ValueError(f"--peer {spec!r}: unknown router {router!r}; choose one of {sorted(PEER_POLICIES)}")
+        if policy and policy not in known:
+            raise ValueError(f"--peer {spec!r}: {router} policy {policy!r} is not one of {known}")
+        out += [Peer(router, p) for p in ((policy,) if policy else known) if Peer(router, p) not in out]
+    return out
+
+
+def cache_root() -> Path:
+    """Where the bench's extras live between runs (the peer routers here; the suite's vLLM beside them)."""
+    return Path(os.environ.get("KVLEDGER_CACHE") or Path.home() / ".cache" / "kvledger")
+
+
+def peer_venv() -> Path:
+    """The ``bin`` of the peer routers' virtual environment, built from ``PEER_PINS`` if it is missing."""
+    root = cache_root() / ("peer-routers-" + "-".join(p.split("==")[1] for p in PEER_PINS))
+    done = root / ".kvledger-pip-install-done"
+    if done.exists():
+        return root / "bin"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{root.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # one build at a time (the suite and a bench); the install is bounded
+        if not done.exists():   # a half-built one (killed mid-install) is built again from scratch
+            venv.create(root, with_pip=True, clear=True)
+            subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", *PEER_PINS], check=True,
+                           timeout=INSTALL_TIMEOUT_S)
+            done.touch()
+    return root / "bin"
+
+
+class PeerRouter:
+    """``peer`` serving on 127.0.0.1 in front of ``servers`` (``events``: each server's ZMQ KV-event endpoint, for
+    ``kv_aware``), ready once a one-token completion of ``model`` goes through."""
+
+    def __init__(self, peer: Peer, servers: list[str], events: list[str], model: str, block_size: int) -> None:
+        from kvledger.coordinator.router_actor import free_port   # Ray's import, only when a peer is run
+
+        self.peer = peer
+        bin_ = peer_venv()
+        port = free_port("127.0.0.1")
+        cmd = [str(bin_ / "sglang-router"), "launch"] if peer.router == "sglang-router" else [str(bin_ / "vllm-router")]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", peer.policy, "--worker-urls", *servers,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port("127.0.0.1"))]
+        if peer.policy == "kv_aware":
+            cmd += [a for url, ep in zip(servers, events) for a in ("--kv-event-source", f"{url}={ep}")]
+            cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvledger-peer-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            wait_serving(self.url, self.proc, peer.name, model, self.tail)
+        except BaseException:
+            self.close()
+            raise
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-2000:]
+
+    def close(self) -> None:
+        """Stop it (its whole process group), then drop its log."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def wait_serving(url: str, proc: subprocess.Popen, name: str, model: str, tail: Callable[[], str]) -> None:
+    """Until a one-token completion of ``model`` goes through the router at ``url`` (every worker found healthy);
+    an error with ``tail()`` (its log) if ``proc`` exits first or ``START_TIMEOUT_S`` passes."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with httpx.Client(timeout=10.0) as c:
+        while time.monotonic() < deadline:   # bounded by the deadline
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}): {tail()}")
+            try:
+                r = c.post(f"{url}/v1/completions", json={"model": model, "prompt": "warm", "max_tokens": 1})
+                if r.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"{name} not serving after {START_TIMEOUT_S:g} s: {tail()}")
+
+
+def event_endpoints(client: httpx.Client, urls: list[str]) -> list[str]:
+    """Each server's ZMQ KV-event endpoint as a subscriber on this machine reaches it (``GET /kv_event_sources``)."""
+    return [client.get(f"{u}/kv_event_sources").json()["0"]["endpoint"].replace("*", "127.0.0.1") for u in urls]
+
+
+__all__ = ["PEER_PINS", "PEER_POLICIES", "Peer", "PeerRouter", "cache_root", "event_endpoints", "parse_peers",
+           "peer_venv", "wait_serving"]

@@ -173,6 +173,8 @@ class RunResult:
     failed: int = 0
     counts: list[EngineTotals] = field(default_factory=list)
     wall_s: float = 0.0
+    learned: str = ""
+    """kvledger's: the seconds per prompt token it learned of each engine (``GET /v1/cluster``)."""
 
     def hit_rate(self) -> float:
         prompt = sum(c.prompt_tokens for c in self.counts)
@@ -264,6 +266,7 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
         t0 = time.perf_counter()
         ttft, failed = replay(router, trace, model, concurrency)
         wall = time.perf_counter() - t0
+        learned = learned_rates(router.url) if isinstance(router, KvledgerRouter) else ""
     finally:
         if background is not None:
             background.close()
@@ -273,7 +276,13 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
         counts = [EngineTotals.read(c, u).since(b) for u, b in zip(urls, before)]
     if background is not None:   # the other tenant's own requests, as they were answered
         counts[0] = counts[0].since(EngineTotals(background.prompt, background.cached, background.requests))
-    return RunResult(name, ttft, failed, counts, wall)
+    return RunResult(name, ttft, failed, counts, wall, learned)
+
+
+def learned_rates(url: str) -> str:
+    with httpx.Client(timeout=30.0) as c:
+        ranks = c.get(f"{url}/v1/cluster").json()["ranks"]
+    return ", ".join(f"rank {r['rank']} {r['prefill_s_per_token'] or 0:.2e}" for r in ranks)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -290,6 +299,7 @@ def report(title: str, results: list[RunResult], bound: float) -> None:
         print(f"{r.router:<26} {r.hit_rate():>8.1%} {r.hit_rate() / bound:>7.2f} {split:>22} {pct(r.ttft, 50):>8.3f}s "
               f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {n / r.wall_s:>6.1f} {r.failed:>6}")
     ours = results[0]
+    print(f"{ours.router} learned seconds per uncached prompt token: {ours.learned or '-'}")
     peers = results[1:]
     if peers:
         best_hit = max(p.hit_rate() for p in peers)

@@ -1,0 +1,290 @@
+"""The router's default block store: ``PrefixIndex``'s answers from numpy arrays and compiled loops.
+
+``PrefixIndex`` (``router.index``) is the reference: Python dicts, four
+entries and several int objects per held block. ``ArrayIndex`` keeps the same
+books in two open-addressing tables (``router.index_kernels``): per hash one
+slot with the holder mask (as many 64-bit words as the ranks' bits need) and
+its count of host-only holders, and per ``(hash, rank)`` refs only where they
+are not one device ref. A batch is encoded once into flat arrays and applied
+whole by one compiled call; a probe is one compiled walk of the chain, one
+lookup per block, so it needs no chain books to be fast.
+
+The kernels compile on first call and are cached on disk; ``warm_kernels``
+compiles them ahead (the router calls it before it reports ready).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+
+import numpy as np
+
+from kvledger.router import index_kernels as k
+from kvledger.router.index import T, as_pair, check_block_sizes, check_rank, diverged, is_move
+from kvledger.router.rank_bits import RankBits
+from kvledger.router.refs import DEV_MASK, tier_unit
+from kvledger.router.snapshot import SnapshotEntry, group0_refs, read_snapshot
+from kvledger.worker.wire.events import EVENT_CLASS, BlockRemoved, BlockStored, BlockUpdated
+
+logger = logging.getLogger(__name__)
+
+_MIN_SLOTS = 1024
+_MAX_LOAD = 0.8     # grow by half past this: linear probing stays short, and the tables stay dense
+_FIXED_COUNTS = 2   # counts[0]: hashes held, counts[1]: refs entries; then two per bit
+
+
+class _Table:
+    """One open-addressing table's arrays (see ``router.index_kernels``)."""
+
+    __slots__ = ("keys", "tags", "rows")
+
+    def __init__(self, slots: int, words: int) -> None:
+        self.keys = np.zeros(slots, np.uint64)
+        self.tags = np.full(slots, -1, np.int32)
+        self.rows = np.zeros((slots, words), np.uint64)
+
+    def grown(self, used: int, words: int, keyed: bool) -> _Table:
+        """This table with room for ``used`` entries and rows of ``words`` words (itself if it has both)."""
+        slots = len(self.keys)
+        if used <= _MAX_LOAD * slots and words == self.rows.shape[1]:
+            return self
+        while used > _MAX_LOAD * slots:
+            slots += slots // 2
+        new = _Table(slots, words)
+        k.rehash(self.keys, self.tags, self.rows, new.keys, new.tags, new.rows, keyed)
+        return new
+
+
+class ArrayIndex:
+    """The array-backed ``BlockIndex`` (see the module docstring); group 0 only, as ``PrefixIndex``."""
+
+    __slots__ = ("tokens_per_block", "_blocks", "_refs", "_counts", "_bits", "_bit_of", "_block_sizes", "_out",
+                 "_slots")
+
+    def __init__(self, tokens_per_block: int) -> None:
+        if type(tokens_per_block) is not int or tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
+        self.tokens_per_block = tokens_per_block
+        self._blocks = _Table(_MIN_SLOTS, 1)    # hash -> holder mask; tag: ranks holding it on the host only
+        self._refs = _Table(_MIN_SLOTS, 1)      # (hash, bit) -> packed refs, where not one device ref
+        self._counts = np.zeros(_FIXED_COUNTS + 2 * 64, np.int64)
+        self._bits = RankBits()
+        self._bit_of: dict[int, int] = {}        # rank -> its bit position
+        self._block_sizes: dict[int, int] = {}   # rank -> its block size, where not tokens_per_block
+        self._out = np.zeros((3, 64), np.int64)  # a probe's answer: bits, blocks, host-only blocks
+        self._slots = np.zeros(1024, np.int64)   # a probe's scratch: the slot of each block
+
+    # --- reading ------------------------------------------------------------
+
+    def ranks(self) -> list[int]:
+        """Ranks the store has a bit for, ascending."""
+        return sorted(self._bit_of)
+
+    def block_size(self, rank: int) -> int:
+        """Tokens per block of ``rank``'s events."""
+        return self._block_sizes.get(rank, self.tokens_per_block)
+
+    def other_block_sizes(self) -> set[int]:
+        """The block sizes other than ``tokens_per_block`` that some rank is indexed at (mostly none)."""
+        return set(self._block_sizes.values())
+
+    def refs(self, rank: int, block_hash: int) -> tuple[int, int]:
+        """``(device refs, host refs)`` that ``rank`` holds on ``block_hash``."""
+        v = self.held_among(rank, [block_hash]).get(block_hash, 0)
+        return v & DEV_MASK, v >> 32
+
+    def held(self, rank: int) -> dict[int, int]:
+        """``rank``'s packed refs per hash (a copy: one pass over the table)."""
+        bit = self._bit_of.get(rank)
+        if bit is None:
+            return {}
+        n = int(self._counts[_FIXED_COUNTS + 2 * bit])
+        hs, vs = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+        b, r = self._blocks, self._refs
+        k.held(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, bit, hs, vs, 0)
+        return dict(zip(hs.tolist(), vs.tolist()))
+
+    def held_among(self, rank: int, hashes: Sequence[int]) -> dict[int, int]:
+        """``held(rank)`` restricted to ``hashes``, one lookup each."""
+        bit = self._bit_of.get(rank)
+        if bit is None or not hashes:
+            return {}
+        hs = np.array(hashes, np.uint64)
+        vs = np.zeros(len(hs), np.uint64)
+        b, r = self._blocks, self._refs
+        k.refs_of(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, bit, hs, vs)
+        return {h: v for h, v in zip(hashes, vs.tolist()) if v}
+
+    def holders(self, block_hash: int) -> list[int]:
+        """Ranks holding ``block_hash`` on any tier, ascending."""
+        return sorted(r for r in self._bit_of if self.held_among(r, [block_hash]))
+
+    def num_blocks(self, rank: int | None = None) -> int:
+        """Distinct hashes held by ``rank``, or by anyone when ``rank`` is None."""
+        if rank is None:
+            return int(self._counts[0])
+        bit = self._bit_of.get(rank)
+        return 0 if bit is None else int(self._counts[_FIXED_COUNTS + 2 * bit])
+
+    def host_only_blocks(self, rank: int) -> int:
+        """Of ``rank``'s distinct hashes, those it holds on its host tier only (to onboard before reuse)."""
+        bit = self._bit_of.get(rank)
+        return 0 if bit is None else int(self._counts[_FIXED_COUNTS + 2 * bit + 1])
+
+    def longest_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """Per rank holding ``hashes[0]``: ``(blocks, host-only blocks)`` of its longest held prefix."""
+        return self.match(hashes, as_pair)
+
+    def chain_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """``longest_prefixes`` (a chain is walked as any sequence)."""
+        return self.match(hashes, as_pair)
+
+    def match(self, hashes: Sequence[int], make: Callable[[int, int], T]) -> dict[int, T]:
+        """``PrefixIndex.match``: per rank holding ``hashes[0]``, ``make(blocks, host-only blocks)`` of its held
+        prefix, each distinct pair made once, in the reference's order (by blocks, then bit)."""
+        n = len(hashes)
+        if not n or not self._counts[0]:
+            return {}
+        if len(self._slots) < n:
+            self._slots = np.zeros(2 * n, np.int64)
+        out = self._out
+        b, r = self._blocks, self._refs
+        found = k.match_walk(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, np.array(hashes, np.uint64),
+                             out[0], out[1], out[2], self._slots)
+        if not found:
+            return {}
+        bits, blocks, host = out[:, :found].tolist()
+        ranks = list(map(self._bits.slot_rank.__getitem__, bits))
+        answer: dict[int, T] = {}
+        made: dict[tuple[int, int], T] = {}
+        lo = 0
+        for hi in range(1, found + 1):   # runs of one (blocks, host-only blocks)
+            if hi < found and blocks[hi] == blocks[lo] and host[hi] == host[lo]:
+                continue
+            key = (blocks[lo], host[lo])
+            got = made.get(key)
+            if got is None:
+                got = made[key] = make(*key)
+            answer.update(zip(ranks[lo:hi], repeat(got)))
+            lo = hi
+        return answer
+
+    # --- writing ------------------------------------------------------------
+
+    def apply(self, rank: int, events: Sequence[object]) -> str | None:
+        """``PrefixIndex.apply``: the events in order, all or none; ``None``, or why the batch was rolled back.
+        ``BlockSizeError`` changes nothing."""
+        self._check_sizes(rank, events)
+        bit = self._bit(rank)
+        ops: list[int] = []
+        hs: list[int] = []
+        clears = 0
+        for i, ev in enumerate(events):
+            t = EVENT_CLASS[type(ev)]
+            if t is BlockStored or t is BlockRemoved:
+                ops += (k.STORE if t is BlockStored else k.REMOVE, tier_unit(ev.medium), 0, len(ev.block_hashes), i)
+                hs += ev.block_hashes
+            elif t is BlockUpdated:
+                if is_move(ev):
+                    ops += (k.MOVE, tier_unit(ev.old_medium), tier_unit(ev.new_medium), 1, i)
+                    hs.append(ev.block_hash)
+            else:   # AllBlocksCleared, or KVCacheCreated opening a rank's numbering
+                ops += (k.CLEAR, 0, 0, 0, i)
+                clears += 1
+        if not ops:
+            return None
+        self._reserve(len(hs))
+        log = len(hs) + clears * (self.num_blocks(rank) + len(hs))
+        b, r = self._blocks, self._refs
+        i, h, unit = k.apply_ops(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, self._counts, bit,
+                                 np.array(ops, np.int64), np.array(hs, np.uint64),
+                                 np.zeros(log, np.uint64), np.zeros(log, np.uint64))
+        if i < 0:
+            return None
+        what = "removes" if EVENT_CLASS[type(events[i])] is BlockRemoved else "moves"
+        return diverged(int(i), what, int(h), int(unit))
+
+    def _check_sizes(self, rank: int, events: Sequence[object]) -> None:
+        check_block_sizes(rank, self.block_size(rank), events)
+
+    def set_block_size(self, rank: int, block_size: int) -> None:
+        """``PrefixIndex.set_block_size``: changing a rank's size drops what it holds."""
+        check_rank(rank)
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if block_size == self.block_size(rank):
+            return
+        if rank in self._bit_of:
+            self._purge(self._bit_of[rank])
+        if block_size == self.tokens_per_block:
+            self._block_sizes.pop(rank, None)
+        else:
+            self._block_sizes[rank] = block_size
+
+    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry]) -> None:
+        """Rebuild ``rank``'s holdings from nothing; a bad entry raises and changes nothing."""
+        rows = read_snapshot(blocks)
+        if any(row.group or row.kind == "sliding_window" for row in rows):   # router.groups.is_windowed
+            raise ValueError(f"rank {rank}'s snapshot has attention windows: index it with WindowedArrayIndex")
+        self._load_refs(rank, group0_refs(rows))
+
+    def _load_refs(self, rank: int, refs: dict[int, int]) -> None:
+        check_rank(rank)
+        bit = self._bit(rank)
+        self._purge(bit)
+        self._reserve(len(refs))
+        self._set_all(bit, np.array(list(refs), np.uint64), np.array(list(refs.values()), np.uint64))
+
+    def remove_rank(self, rank: int) -> None:
+        """Forget ``rank`` at once (it died): its blocks and its bit. Unknown ranks are ignored."""
+        bit = self._bit_of.pop(rank, None)
+        if bit is not None:
+            self._purge(bit)
+            self._bits.give_back(1 << bit)
+
+    # --- internals ----------------------------------------------------------
+
+    def _bit(self, rank: int) -> int:
+        """``rank``'s bit position, taking the lowest free one (and widening the masks) for a new rank."""
+        bit = self._bit_of.get(rank)
+        if bit is not None:
+            return bit
+        bit = self._bit_of[rank] = self._bits.take(rank).bit_length() - 1
+        words = bit // 64 + 1
+        if words > self._blocks.rows.shape[1]:
+            self._blocks = self._blocks.grown(int(self._counts[0]), words, False)
+            self._counts = np.concatenate([self._counts, np.zeros(2 * 64, np.int64)])
+            self._out = np.zeros((3, 64 * words), np.int64)
+        return bit
+
+    def _reserve(self, extra: int) -> None:
+        """Room for ``extra`` more entries in each table (a batch adds at most one per hash)."""
+        self._blocks = self._blocks.grown(int(self._counts[0]) + extra, self._blocks.rows.shape[1], False)
+        self._refs = self._refs.grown(int(self._counts[1]) + extra, 1, True)
+
+    def _purge(self, bit: int) -> None:
+        n = int(self._counts[_FIXED_COUNTS + 2 * bit])
+        if not n:
+            return
+        hs = np.zeros(n, np.uint64)
+        b, r = self._blocks, self._refs
+        k.held(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, bit, hs, np.zeros(n, np.uint64), 0)
+        self._set_all(bit, hs, np.zeros(n, np.uint64))
+
+    def _set_all(self, bit: int, hs: np.ndarray, vs: np.ndarray) -> None:
+        b, r = self._blocks, self._refs
+        k.set_all(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, self._counts, bit, hs, vs)
+
+
+def warm_kernels() -> None:
+    """Compile (or load from the disk cache) every kernel now, on a throwaway store, so that no batch or probe
+    of the router's pays for it."""
+    logger.info("compiling the index kernels (once; cached on disk)")
+    store = ArrayIndex(1)
+    store.apply(0, [BlockStored([1, 2], None, [], 1), BlockRemoved([3])])
+    store.load_snapshot(1, [])
+    store.match([1, 2], as_pair)
+    store.held(0)
+    store.refs(0, 1)
+    store.remove_rank(0)

@@ -14,6 +14,7 @@ compiles them ahead (the router calls it before it reports ready).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
@@ -277,9 +278,10 @@ class ArrayIndex:
         k.set_all(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, self._counts, bit, hs, vs)
 
 
+@functools.cache
 def warm_kernels() -> None:
     """Compile (or load from the disk cache) every kernel now, on a throwaway store, so that no batch or probe
-    of the router's pays for it."""
+    of the router's pays for it; once a process."""
     logger.info("compiling the index kernels (once; cached on disk)")
     store = ArrayIndex(1)
     store.apply(0, [BlockStored([1, 2], None, [], 1), BlockRemoved([3])])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class ArrayIndex:
     """The array-backed ``BlockIndex`` (see the module docstring); group 0 only, as ``PrefixIndex``."""
 
     __slots__ = ("tokens_per_block", "_blocks", "_refs", "_counts", "_bits", "_bit_of", "_block_sizes", "_out",
-                 "_slots")
+                 "_bit_rank", "_slots")
 
     def __init__(self, tokens_per_block: int) -> None:
         if type(tokens_per_block) is not int or tokens_per_block <= 0:
@@ -73,7 +73,8 @@ class ArrayIndex:
         self._bits = RankBits()
         self._bit_of: dict[int, int] = {}        # rank -> its bit position
         self._block_sizes: dict[int, int] = {}   # rank -> its block size, where not tokens_per_block
-        self._out = np.zeros((3, 64), np.int64)  # a probe's answer: bits, blocks, host-only blocks
+        self._out = np.zeros((7, 64), np.int64)  # a probe's answer (``index_kernels.match_walk``)
+        self._bit_rank = np.zeros(64, np.int64)  # bit position -> its rank
         self._slots = np.zeros(1024, np.int64)   # a probe's scratch: the slot of each block
 
     # --- reading ------------------------------------------------------------
@@ -143,7 +144,8 @@ class ArrayIndex:
 
     def match(self, hashes: Sequence[int], make: Callable[[int, int], T]) -> dict[int, T]:
         """``PrefixIndex.match``: per rank holding ``hashes[0]``, ``make(blocks, host-only blocks)`` of its held
-        prefix, each distinct pair made once, in the reference's order (by blocks, then bit)."""
+        prefix, made once per run of ranks with one answer (so mostly once per distinct answer), in the reference's
+        order (by blocks, then bit)."""
         n = len(hashes)
         if not n or not self._counts[0]:
             return {}
@@ -151,25 +153,12 @@ class ArrayIndex:
             self._slots = np.zeros(2 * n, np.int64)
         out = self._out
         b, r = self._blocks, self._refs
-        found = k.match_walk(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, np.array(hashes, np.uint64),
-                             out[0], out[1], out[2], self._slots)
+        found, runs = k.match_walk(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, self._bit_rank,
+                                   np.array(hashes, np.uint64), out, self._slots)
         if not found:
             return {}
-        bits, blocks, host = out[:, :found].tolist()
-        ranks = list(map(self._bits.slot_rank.__getitem__, bits))
-        answer: dict[int, T] = {}
-        made: dict[tuple[int, int], T] = {}
-        lo = 0
-        for hi in range(1, found + 1):   # runs of one (blocks, host-only blocks)
-            if hi < found and blocks[hi] == blocks[lo] and host[hi] == host[lo]:
-                continue
-            key = (blocks[lo], host[lo])
-            got = made.get(key)
-            if got is None:
-                got = made[key] = make(*key)
-            answer.update(zip(ranks[lo:hi], repeat(got)))
-            lo = hi
-        return answer
+        made = map(make, out[5, :runs].tolist(), out[6, :runs].tolist())
+        return dict(zip(out[1, :found].tolist(), chain.from_iterable(map(repeat, made, out[4, :runs].tolist()))))
 
     # --- writing ------------------------------------------------------------
 
@@ -256,7 +245,9 @@ class ArrayIndex:
         if words > self._blocks.rows.shape[1]:
             self._blocks = self._blocks.grown(int(self._counts[0]), words, False)
             self._counts = np.concatenate([self._counts, np.zeros(2 * 64, np.int64)])
-            self._out = np.zeros((3, 64 * words), np.int64)
+            self._out = np.zeros((7, 64 * words), np.int64)
+            self._bit_rank = np.concatenate([self._bit_rank, np.zeros(64, np.int64)])
+        self._bit_rank[bit] = rank
         return bit
 
     def _reserve(self, extra: int) -> None:

@@ -213,25 +213,38 @@ def apply_ops(keys, tags, masks, rkeys, rtags, rvals, counts, bit, ops, hs, log_
 
 
 @njit(cache=True)
-def match_walk(keys, tags, masks, rkeys, rtags, rvals, q, out_bit, out_blocks, out_host, slots):
-    """Per bit holding ``q[0]``: its held prefix of ``q`` and the host-only blocks within it, written in order of
-    (blocks, bit) to the ``out_`` arrays; returns how many. One lookup per block, and per-bit work only where
-    the holders change; ``slots`` is scratch (one per block)."""
+def _bit_index(low):
+    """The position of the single set bit ``low``."""
+    b = 0
+    while low > U1:
+        low >>= U1
+        b += 1
+    return b
+
+
+@njit(cache=True)
+def match_walk(keys, tags, masks, rkeys, rtags, rvals, bit_rank, q, out, slots):
+    """Per bit holding ``q[0]``: its held prefix of ``q`` and the host-only blocks within it. Writes, in order of
+    (blocks, bit), ``out[0]`` the bits, ``out[1]`` their ranks (``bit_rank``), ``out[2]`` the blocks and
+    ``out[3]`` the host-only blocks; then the runs of one answer, ``out[4]`` their lengths, ``out[5]`` their
+    blocks, ``out[6]`` their host-only blocks. Returns (ranks, runs). One lookup per block, and per-bit work
+    only where the holders change; ``slots`` is scratch (one per block)."""
     n = q.shape[0]
     words = masks.shape[1]
     s = _find(keys, tags, q[0], 0, False)
     if s < 0:
-        return 0
+        return 0, 0
     active = masks[s].copy()
     slots[0] = s
     prev = s
     k = 0
     end = n
-    for j in range(1, n):
-        s = _find(keys, tags, q[j], 0, False)
-        slots[j] = s
-        if s == prev:
-            continue
+    for j in range(1, n + 1):
+        s = _find(keys, tags, q[j], 0, False) if j < n else -1
+        if j < n:
+            slots[j] = s
+            if s == prev:
+                continue
         left = False
         for w in range(words):
             lost = active[w] & ~masks[s, w] if s >= 0 else active[w]
@@ -239,13 +252,8 @@ def match_walk(keys, tags, masks, rkeys, rtags, rvals, q, out_bit, out_blocks, o
                 active[w] &= ~lost
                 while lost:
                     low = lost & (~lost + U1)
-                    b = w * 64
-                    x = low
-                    while x > U1:
-                        x >>= U1
-                        b += 1
-                    out_bit[k] = b
-                    out_blocks[k] = j
+                    out[0, k] = w * 64 + _bit_index(low)
+                    out[2, k] = j
                     k += 1
                     lost ^= low
             left = left or active[w] != 0
@@ -253,32 +261,27 @@ def match_walk(keys, tags, masks, rkeys, rtags, rvals, q, out_bit, out_blocks, o
             end = j
             break
         prev = s
-    if end == n:
-        for w in range(words):
-            a = active[w]
-            while a:
-                low = a & (~a + U1)
-                b = w * 64
-                x = low
-                while x > U1:
-                    x >>= U1
-                    b += 1
-                out_bit[k] = b
-                out_blocks[k] = n
-                k += 1
-                a ^= low
-    out_host[:k] = 0
-    for j in range(out_blocks[k - 1]):
+    out[3, :k] = 0
+    for j in range(end):
         s = slots[j]
         if tags[s] == 0:
             continue
         for i in range(k):
-            if out_blocks[i] > j:
-                b = out_bit[i]
-                r = _find(rkeys, rtags, q[j], b, True)
+            if out[2, i] > j:
+                r = _find(rkeys, rtags, q[j], out[0, i], True)
                 if r >= 0 and _host_only(rvals[r, 0]):
-                    out_host[i] += 1
-    return k
+                    out[3, i] += 1
+    runs = 0
+    for i in range(k):
+        out[1, i] = bit_rank[out[0, i]]
+        if i and out[2, i] == out[2, i - 1] and out[3, i] == out[3, i - 1]:
+            out[4, runs - 1] += 1
+        else:
+            out[4, runs] = 1
+            out[5, runs] = out[2, i]
+            out[6, runs] = out[3, i]
+            runs += 1
+    return k, runs
 
 
 @njit(cache=True)

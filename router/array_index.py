@@ -36,24 +36,22 @@ _FIXED_COUNTS = 2   # counts[0]: hashes held, counts[1]: refs entries; then two 
 
 
 class _Table:
-    """One open-addressing table's arrays (see ``router.index_kernels``)."""
+    """One open-addressing table's rows: ``[key, tag + 1, payload words...]`` (see ``router.index_kernels``)."""
 
-    __slots__ = ("keys", "tags", "rows")
+    __slots__ = ("rows",)
 
     def __init__(self, slots: int, words: int) -> None:
-        self.keys = np.zeros(slots, np.uint64)
-        self.tags = np.full(slots, -1, np.int32)
-        self.rows = np.zeros((slots, words), np.uint64)
+        self.rows = np.zeros((slots, 2 + words), np.uint64)
 
     def grown(self, used: int, words: int, keyed: bool) -> _Table:
-        """This table with room for ``used`` entries and rows of ``words`` words (itself if it has both)."""
-        slots = len(self.keys)
-        if used <= _MAX_LOAD * slots and words == self.rows.shape[1]:
+        """This table with room for ``used`` entries and ``words`` payload words (itself if it has both)."""
+        slots = len(self.rows)
+        if used <= _MAX_LOAD * slots and 2 + words == self.rows.shape[1]:
             return self
         while used > _MAX_LOAD * slots:
             slots += slots // 2
         new = _Table(slots, words)
-        k.rehash(self.keys, self.tags, self.rows, new.keys, new.tags, new.rows, keyed)
+        k.rehash(self.rows, new.rows, keyed)
         return new
 
 
@@ -104,7 +102,7 @@ class ArrayIndex:
         n = int(self._counts[_FIXED_COUNTS + 2 * bit])
         hs, vs = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
         b, r = self._blocks, self._refs
-        k.held(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, bit, hs, vs, 0)
+        k.held(b.rows, r.rows, bit, hs, vs, 0)
         return dict(zip(hs.tolist(), vs.tolist()))
 
     def held_among(self, rank: int, hashes: Sequence[int]) -> dict[int, int]:
@@ -115,7 +113,7 @@ class ArrayIndex:
         hs = np.array(hashes, np.uint64)
         vs = np.zeros(len(hs), np.uint64)
         b, r = self._blocks, self._refs
-        k.refs_of(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, bit, hs, vs)
+        k.refs_of(b.rows, r.rows, bit, hs, vs)
         return {h: v for h, v in zip(hashes, vs.tolist()) if v}
 
     def holders(self, block_hash: int) -> list[int]:
@@ -153,7 +151,7 @@ class ArrayIndex:
             self._slots = np.zeros(2 * n, np.int64)
         out = self._out
         b, r = self._blocks, self._refs
-        found, runs = k.match_walk(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, self._bit_rank,
+        found, runs = k.match_walk(b.rows, r.rows, self._bit_rank,
                                    np.array(hashes, np.uint64), out, self._slots)
         if not found:
             return {}
@@ -187,7 +185,7 @@ class ArrayIndex:
         self._reserve(len(hs))
         log = len(hs) + clears * (self.num_blocks(rank) + len(hs))
         b, r = self._blocks, self._refs
-        i, h, unit = k.apply_ops(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, self._counts, bit,
+        i, h, unit = k.apply_ops(b.rows, r.rows, self._counts, bit,
                                  np.array(ops, np.int64), np.array(hs, np.uint64),
                                  np.zeros(log, np.uint64), np.zeros(log, np.uint64))
         if i < 0:
@@ -242,7 +240,7 @@ class ArrayIndex:
             return bit
         bit = self._bit_of[rank] = self._bits.take(rank).bit_length() - 1
         words = bit // 64 + 1
-        if words > self._blocks.rows.shape[1]:
+        if words > self._blocks.rows.shape[1] - 2:
             self._blocks = self._blocks.grown(int(self._counts[0]), words, False)
             self._counts = np.concatenate([self._counts, np.zeros(2 * 64, np.int64)])
             self._out = np.zeros((7, 64 * words), np.int64)
@@ -252,7 +250,7 @@ class ArrayIndex:
 
     def _reserve(self, extra: int) -> None:
         """Room for ``extra`` more entries in each table (a batch adds at most one per hash)."""
-        self._blocks = self._blocks.grown(int(self._counts[0]) + extra, self._blocks.rows.shape[1], False)
+        self._blocks = self._blocks.grown(int(self._counts[0]) + extra, self._blocks.rows.shape[1] - 2, False)
         self._refs = self._refs.grown(int(self._counts[1]) + extra, 1, True)
 
     def _purge(self, bit: int) -> None:
@@ -261,12 +259,12 @@ class ArrayIndex:
             return
         hs = np.zeros(n, np.uint64)
         b, r = self._blocks, self._refs
-        k.held(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, bit, hs, np.zeros(n, np.uint64), 0)
+        k.held(b.rows, r.rows, bit, hs, np.zeros(n, np.uint64), 0)
         self._set_all(bit, hs, np.zeros(n, np.uint64))
 
     def _set_all(self, bit: int, hs: np.ndarray, vs: np.ndarray) -> None:
         b, r = self._blocks, self._refs
-        k.set_all(b.keys, b.tags, b.rows, r.keys, r.tags, r.rows, self._counts, bit, hs, vs)
+        k.set_all(b.rows, r.rows, self._counts, bit, hs, vs)
 
 
 @functools.cache

@@ -1,11 +1,12 @@
 """The compiled loops behind ``ArrayIndex``: open-addressing tables over numpy arrays, apply and match.
 
-Two tables share one layout and one set of loops: ``keys`` (uint64), ``tags``
-(int32, -1 where a slot is empty) and a payload row per slot (uint64 words).
-The block table maps a hash to its holder mask (one bit per rank, ``W`` words)
-and tags each slot with how many ranks hold it on the host tier only. The refs
-table keeps the refs of a ``(hash, rank bit)`` pair only where they are not the
-common one device ref (``DEV``); its tag is the bit. Slots are found by linear
+Two tables share one layout and one set of loops: one uint64 row per slot,
+``[key, tag + 1, payload...]`` (a zero second word: the slot is empty), so a
+lookup touches one cache line. The block table maps a hash to its holder mask
+(one bit per rank, ``W`` words) and tags each slot with how many ranks hold it
+on the host tier only. The refs table keeps the refs of a ``(hash, rank bit)``
+pair only where they are not the common one device ref (``DEV``); its tag is
+the bit. Slots are found by linear
 probing from a multiplicative hash scaled to any capacity (not only powers of
 two, so the tables grow by half and stay dense), and freed by backward shift,
 so there are no tombstones. Callers (``router.array_index``) grow the tables
@@ -32,7 +33,7 @@ STORE, REMOVE, MOVE, CLEAR = 0, 1, 2, 3   # op kinds of ``apply_ops``
 OP_FIELDS = 5                             # per op: kind, unit, new unit (moves), hashes, event index
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _home(key, tag, keyed, cap):
     """The first slot to probe: the mixed key's top bits scaled to ``cap`` (``tag`` mixed in when it is keyed)."""
     x = key ^ (np.uint64(tag) * _BIT_MIX) if keyed else key
@@ -40,13 +41,14 @@ def _home(key, tag, keyed, cap):
     return np.int64(((x >> U32) * np.uint64(cap) + (((x & LOW32) * np.uint64(cap)) >> U32)) >> U32)
 
 
-@njit(cache=True)
-def _find(keys, tags, key, tag, keyed):
+@njit(cache=True, inline="always")
+def _find(t, key, tag, keyed):
     """The slot of ``key`` (and ``tag``, when keyed), or -1."""
-    cap = keys.shape[0]
+    cap = t.shape[0]
     i = _home(key, tag, keyed, cap)
-    while tags[i] >= 0:
-        if keys[i] == key and (not keyed or tags[i] == tag):
+    want = np.uint64(tag) + U1
+    while t[i, 1]:
+        if t[i, 0] == key and (not keyed or t[i, 1] == want):
             return i
         i += 1
         if i == cap:
@@ -54,133 +56,130 @@ def _find(keys, tags, key, tag, keyed):
     return -1
 
 
-@njit(cache=True)
-def _insert(keys, tags, key, tag, keyed):
-    """A free slot for ``key`` (absent), tagged ``tag``; its payload row is zero."""
-    cap = keys.shape[0]
+@njit(cache=True, inline="always")
+def _insert(t, key, tag, keyed):
+    """A free slot for ``key`` (absent), tagged ``tag``; its payload is zero."""
+    cap = t.shape[0]
     i = _home(key, tag, keyed, cap)
-    while tags[i] >= 0:
+    while t[i, 1]:
         i += 1
         if i == cap:
             i = 0
-    keys[i] = key
-    tags[i] = tag
+    t[i, 0] = key
+    t[i, 1] = np.uint64(tag) + U1
     return i
 
 
-@njit(cache=True)
-def _delete(keys, tags, rows, i, keyed):
+@njit(cache=True, inline="always")
+def _delete(t, i, keyed):
     """Free slot ``i``, shifting back the entries after it that probed past it."""
-    cap = keys.shape[0]
+    cap = t.shape[0]
     j = i
     while True:
         j += 1
         if j == cap:
             j = 0
-        if tags[j] < 0:
+        if not t[j, 1]:
             break
-        k = _home(keys[j], tags[j], keyed, cap)
+        k = _home(t[j, 0], t[j, 1] - U1, keyed, cap)
         stays = (i < k <= j) if i <= j else (k > i or k <= j)
         if stays:
             continue
-        keys[i] = keys[j]
-        tags[i] = tags[j]
-        rows[i, :] = rows[j, :]
+        t[i, :] = t[j, :]
         i = j
-    tags[i] = -1
-    rows[i, :] = 0
+    t[i, :] = 0
 
 
 @njit(cache=True)
-def rehash(keys, tags, rows, new_keys, new_tags, new_rows, keyed):
-    """Copy every entry into the (larger, or wider) new arrays, all empty."""
-    words = rows.shape[1]
-    for i in range(keys.shape[0]):
-        if tags[i] >= 0:
-            j = _insert(new_keys, new_tags, keys[i], tags[i], keyed)
-            new_rows[j, :words] = rows[i, :]
+def rehash(t, new, keyed):
+    """Copy every entry into ``new`` (larger, or with wider rows), all empty."""
+    width = t.shape[1]
+    for i in range(t.shape[0]):
+        if t[i, 1]:
+            j = _insert(new, t[i, 0], t[i, 1] - U1, keyed)
+            new[j, :width] = t[i, :]
 
 
-@njit(cache=True)
-def _refs(keys, tags, masks, rkeys, rtags, rvals, h, bit):
+@njit(cache=True, inline="always")
+def _refs(t, rt, h, bit):
     """``bit``'s packed refs on ``h`` (0: none) and ``h``'s block slot (-1: nobody holds it)."""
-    s = _find(keys, tags, h, 0, False)
-    if s < 0 or not (masks[s, bit >> 6] >> np.uint64(bit & 63)) & U1:
+    s = _find(t, h, 0, False)
+    if s < 0 or not (t[s, 2 + (bit >> 6)] >> np.uint64(bit & 63)) & U1:
         return np.uint64(0), s
-    r = _find(rkeys, rtags, h, bit, True)
-    return (DEV if r < 0 else rvals[r, 0]), s
+    r = _find(rt, h, bit, True)
+    return (DEV if r < 0 else rt[r, 2]), s
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _host_only(v):
     return v != 0 and (v & LOW32) == 0
 
 
-@njit(cache=True)
-def _set_refs(keys, tags, masks, rkeys, rtags, rvals, counts, bit, h, v):
+@njit(cache=True, inline="always")
+def _set_refs(t, rt, counts, bit, h, v):
     """Make ``bit``'s packed refs on ``h`` ``v``; returns the old value. ``counts``: [blocks, refs entries,
     then per bit: blocks held, blocks held on the host tier only]."""
-    old, s = _refs(keys, tags, masks, rkeys, rtags, rvals, h, bit)
+    old, s = _refs(t, rt, h, bit)
     if old == v:
         return old
-    word, one = bit >> 6, U1 << np.uint64(bit & 63)
+    word, one = 2 + (bit >> 6), U1 << np.uint64(bit & 63)
     if s < 0:
-        s = _insert(keys, tags, h, 0, False)
+        s = _insert(t, h, 0, False)
         counts[0] += 1
-    r = _find(rkeys, rtags, h, bit, True) if old != DEV and old != 0 else -1
+    r = _find(rt, h, bit, True) if old != DEV and old != 0 else -1
     if v == DEV or v == 0:
         if r >= 0:
-            _delete(rkeys, rtags, rvals, r, True)
+            _delete(rt, r, True)
             counts[1] -= 1
     else:
         if r < 0:
-            r = _insert(rkeys, rtags, h, bit, True)
+            r = _insert(rt, h, bit, True)
             counts[1] += 1
-        rvals[r, 0] = v
-    host_change = np.int32(_host_only(v)) - np.int32(_host_only(old))
-    tags[s] += host_change
+        rt[r, 2] = v
+    host_change = np.int64(_host_only(v)) - np.int64(_host_only(old))
+    t[s, 1] = np.uint64(np.int64(t[s, 1]) + host_change)
     counts[3 + 2 * bit] += host_change
     if old == 0:
-        masks[s, word] |= one
+        t[s, word] |= one
         counts[2 + 2 * bit] += 1
     elif v == 0:
-        masks[s, word] &= ~one
+        t[s, word] &= ~one
         counts[2 + 2 * bit] -= 1
-        if not masks[s].any():
-            _delete(keys, tags, masks, s, False)
+        if not t[s, 2:].any():
+            _delete(t, s, False)
             counts[0] -= 1
     return old
 
 
 @njit(cache=True)
-def set_all(keys, tags, masks, rkeys, rtags, rvals, counts, bit, hs, vs):
+def set_all(t, rt, counts, bit, hs, vs):
     """``_set_refs`` of each pair, in order (a snapshot installed, a purge)."""
     for k in range(hs.shape[0]):
-        _set_refs(keys, tags, masks, rkeys, rtags, rvals, counts, bit, hs[k], vs[k])
+        _set_refs(t, rt, counts, bit, hs[k], vs[k])
 
 
 @njit(cache=True)
-def held(keys, tags, masks, rkeys, rtags, rvals, bit, out_h, out_v, start):
+def held(t, rt, bit, out_h, out_v, start):
     """Write ``bit``'s ``(hash, refs)`` pairs into ``out_h``/``out_v`` from ``start``; returns the end."""
-    word, one = bit >> 6, U1 << np.uint64(bit & 63)
+    word, one = 2 + (bit >> 6), U1 << np.uint64(bit & 63)
     n = start
-    for i in range(keys.shape[0]):
-        if tags[i] >= 0 and masks[i, word] & one:
-            h = keys[i]
-            r = _find(rkeys, rtags, h, bit, True)
+    for i in range(t.shape[0]):
+        if t[i, 1] and t[i, word] & one:
+            h = t[i, 0]
+            r = _find(rt, h, bit, True)
             out_h[n] = h
-            out_v[n] = DEV if r < 0 else rvals[r, 0]
+            out_v[n] = DEV if r < 0 else rt[r, 2]
             n += 1
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _held_on(v, unit):
     return (v >> U32) != 0 if unit == HOST else (v & LOW32) != 0
 
 
 @njit(cache=True)
-def apply_ops(keys, tags, masks, rkeys, rtags, rvals, counts, bit, ops, hs, log_h, log_v):
+def apply_ops(t, rt, counts, bit, ops, hs, log_h, log_v):
     """Apply a batch's ops (``OP_FIELDS`` ints each) for ``bit``, all or none. Returns ``(-1, 0, 0)``, or, for a
     removal or move of a block not held on that tier (everything undone): ``(event index, hash, unit)``."""
     n_log = 0
@@ -191,28 +190,28 @@ def apply_ops(keys, tags, masks, rkeys, rtags, rvals, counts, bit, ops, hs, log_
         unit, new_unit = np.uint64(ops[f + 1]), np.uint64(ops[f + 2])
         if kind == CLEAR:
             start = n_log
-            n_log = held(keys, tags, masks, rkeys, rtags, rvals, bit, log_h, log_v, start)
-            set_all(keys, tags, masks, rkeys, rtags, rvals, counts, bit, log_h[start:n_log],
+            n_log = held(t, rt, bit, log_h, log_v, start)
+            set_all(t, rt, counts, bit, log_h[start:n_log],
                     np.zeros(n_log - start, np.uint64))
         for k in range(p, p + n):
             h = hs[k]
-            v, _ = _refs(keys, tags, masks, rkeys, rtags, rvals, h, bit)
+            v, _ = _refs(t, rt, h, bit)
             if kind == STORE:
                 w = v + unit
             elif _held_on(v, unit):
                 w = v - unit + (new_unit if kind == MOVE else np.uint64(0))
             else:
                 for e in range(n_log - 1, -1, -1):
-                    _set_refs(keys, tags, masks, rkeys, rtags, rvals, counts, bit, log_h[e], log_v[e])
+                    _set_refs(t, rt, counts, bit, log_h[e], log_v[e])
                 return event, h, unit
             log_h[n_log] = h
-            log_v[n_log] = _set_refs(keys, tags, masks, rkeys, rtags, rvals, counts, bit, h, w)
+            log_v[n_log] = _set_refs(t, rt, counts, bit, h, w)
             n_log += 1
         p += n
     return -1, np.uint64(0), np.uint64(0)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _bit_index(low):
     """The position of the single set bit ``low``."""
     b = 0
@@ -223,31 +222,31 @@ def _bit_index(low):
 
 
 @njit(cache=True)
-def match_walk(keys, tags, masks, rkeys, rtags, rvals, bit_rank, q, out, slots):
+def match_walk(t, rt, bit_rank, q, out, slots):
     """Per bit holding ``q[0]``: its held prefix of ``q`` and the host-only blocks within it. Writes, in order of
     (blocks, bit), ``out[0]`` the bits, ``out[1]`` their ranks (``bit_rank``), ``out[2]`` the blocks and
     ``out[3]`` the host-only blocks; then the runs of one answer, ``out[4]`` their lengths, ``out[5]`` their
     blocks, ``out[6]`` their host-only blocks. Returns (ranks, runs). One lookup per block, and per-bit work
     only where the holders change; ``slots`` is scratch (one per block)."""
     n = q.shape[0]
-    words = masks.shape[1]
-    s = _find(keys, tags, q[0], 0, False)
+    words = t.shape[1] - 2
+    s = _find(t, q[0], 0, False)
     if s < 0:
         return 0, 0
-    active = masks[s].copy()
+    active = t[s, 2:].copy()
     slots[0] = s
     prev = s
     k = 0
     end = n
     for j in range(1, n + 1):
-        s = _find(keys, tags, q[j], 0, False) if j < n else -1
+        s = _find(t, q[j], 0, False) if j < n else -1
         if j < n:
             slots[j] = s
             if s == prev:
                 continue
         left = False
         for w in range(words):
-            lost = active[w] & ~masks[s, w] if s >= 0 else active[w]
+            lost = active[w] & ~t[s, 2 + w] if s >= 0 else active[w]
             if lost:
                 active[w] &= ~lost
                 while lost:
@@ -264,12 +263,12 @@ def match_walk(keys, tags, masks, rkeys, rtags, rvals, bit_rank, q, out, slots):
     out[3, :k] = 0
     for j in range(end):
         s = slots[j]
-        if tags[s] == 0:
+        if t[s, 1] == U1:   # nobody holds it on the host tier only
             continue
         for i in range(k):
             if out[2, i] > j:
-                r = _find(rkeys, rtags, q[j], out[0, i], True)
-                if r >= 0 and _host_only(rvals[r, 0]):
+                r = _find(rt, q[j], out[0, i], True)
+                if r >= 0 and _host_only(rt[r, 2]):
                     out[3, i] += 1
     runs = 0
     for i in range(k):
@@ -285,7 +284,7 @@ def match_walk(keys, tags, masks, rkeys, rtags, rvals, bit_rank, q, out, slots):
 
 
 @njit(cache=True)
-def refs_of(keys, tags, masks, rkeys, rtags, rvals, bit, hs, out):
+def refs_of(t, rt, bit, hs, out):
     """``bit``'s packed refs on each of ``hs`` into ``out`` (0: not held)."""
     for i in range(hs.shape[0]):
-        out[i] = _refs(keys, tags, masks, rkeys, rtags, rvals, hs[i], bit)[0]
+        out[i] = _refs(t, rt, hs[i], bit)[0]

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain, repeat
 
 import numpy as np
 
 from kvledger.router import index_kernels as k
-from kvledger.router.index import T, as_pair, check_block_sizes, check_rank, diverged, is_move
+from kvledger.router.index import FlatStore, T, as_pair, check_rank, diverged, is_move
 from kvledger.router.rank_bits import RankBits
 from kvledger.router.refs import DEV_MASK, tier_unit
-from kvledger.router.snapshot import SnapshotEntry, group0_refs, read_snapshot
 from kvledger.worker.wire.events import EVENT_CLASS, BlockRemoved, BlockStored, BlockUpdated
 
 logger = logging.getLogger(__name__)
@@ -55,22 +54,18 @@ class _Table:
         return new
 
 
-class ArrayIndex:
+class ArrayIndex(FlatStore):
     """The array-backed ``BlockIndex`` (see the module docstring); group 0 only, as ``PrefixIndex``."""
 
-    __slots__ = ("tokens_per_block", "_blocks", "_refs", "_counts", "_bits", "_bit_of", "_block_sizes", "_out",
-                 "_bit_rank", "_slots")
+    __slots__ = ("_blocks", "_refs", "_counts", "_bits", "_bit_of", "_out", "_bit_rank", "_slots")
 
     def __init__(self, tokens_per_block: int) -> None:
-        if type(tokens_per_block) is not int or tokens_per_block <= 0:
-            raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
-        self.tokens_per_block = tokens_per_block
+        super().__init__(tokens_per_block)
         self._blocks = _Table(_MIN_SLOTS, 1)    # hash -> holder mask; tag: ranks holding it on the host only
         self._refs = _Table(_MIN_SLOTS, 1)      # (hash, bit) -> packed refs, where not one device ref
         self._counts = np.zeros(_FIXED_COUNTS + 2 * 64, np.int64)
         self._bits = RankBits()
         self._bit_of: dict[int, int] = {}        # rank -> its bit position
-        self._block_sizes: dict[int, int] = {}   # rank -> its block size, where not tokens_per_block
         self._out = np.zeros((7, 64), np.int64)  # a probe's answer (``index_kernels.match_walk``)
         self._bit_rank = np.zeros(64, np.int64)  # bit position -> its rank
         self._slots = np.zeros(1024, np.int64)   # a probe's scratch: the slot of each block
@@ -80,14 +75,6 @@ class ArrayIndex:
     def ranks(self) -> list[int]:
         """Ranks the store has a bit for, ascending."""
         return sorted(self._bit_of)
-
-    def block_size(self, rank: int) -> int:
-        """Tokens per block of ``rank``'s events."""
-        return self._block_sizes.get(rank, self.tokens_per_block)
-
-    def other_block_sizes(self) -> set[int]:
-        """The block sizes other than ``tokens_per_block`` that some rank is indexed at (mostly none)."""
-        return set(self._block_sizes.values())
 
     def refs(self, rank: int, block_hash: int) -> tuple[int, int]:
         """``(device refs, host refs)`` that ``rank`` holds on ``block_hash``."""
@@ -193,29 +180,9 @@ class ArrayIndex:
         what = "removes" if EVENT_CLASS[type(events[i])] is BlockRemoved else "moves"
         return diverged(int(i), what, int(h), int(unit))
 
-    def _check_sizes(self, rank: int, events: Sequence[object]) -> None:
-        check_block_sizes(rank, self.block_size(rank), events)
-
-    def set_block_size(self, rank: int, block_size: int) -> None:
-        """``PrefixIndex.set_block_size``: changing a rank's size drops what it holds."""
-        check_rank(rank)
-        if type(block_size) is not int or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if block_size == self.block_size(rank):
-            return
+    def _drop(self, rank: int) -> None:
         if rank in self._bit_of:
             self._purge(self._bit_of[rank])
-        if block_size == self.tokens_per_block:
-            self._block_sizes.pop(rank, None)
-        else:
-            self._block_sizes[rank] = block_size
-
-    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry]) -> None:
-        """Rebuild ``rank``'s holdings from nothing; a bad entry raises and changes nothing."""
-        rows = read_snapshot(blocks)
-        if any(row.group or row.kind == "sliding_window" for row in rows):   # router.groups.is_windowed
-            raise ValueError(f"rank {rank}'s snapshot has attention windows: index it with WindowedArrayIndex")
-        self._load_refs(rank, group0_refs(rows))
 
     def _load_refs(self, rank: int, refs: dict[int, int]) -> None:
         check_rank(rank)

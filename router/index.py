@@ -69,29 +69,18 @@ class BlockIndex(Protocol):
         """Of ``rank``'s blocks, those it holds on its host tier only."""
 
 
-class PrefixIndex:
-    """The flat-map ``BlockIndex`` (see the module docstring); group 0 only (``WindowedIndex`` keeps the rest)."""
+class FlatStore:
+    """What both flat stores (``PrefixIndex``, ``router.array_index.ArrayIndex``) share: the block size of each
+    rank, and the checks before a batch or a snapshot changes anything. A subclass keeps the blocks
+    (``_drop``, ``_load_refs``)."""
 
-    __slots__ = ("tokens_per_block", "_holders", "_host_only", "_holdings", "_bits", "_block_sizes", "_chains",
-                 "_walked")
+    __slots__ = ("tokens_per_block", "_block_sizes")
 
     def __init__(self, tokens_per_block: int) -> None:
         if type(tokens_per_block) is not int or tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
         self.tokens_per_block = tokens_per_block
-        self._holders: dict[int, int] = {}     # hash -> mask of the ranks' bits, any tier
-        self._host_only: dict[int, int] = {}   # hash -> mask of ranks holding it on the host tier only
-        self._holdings: dict[int, RankHoldings] = {}
-        self._bits = RankBits()
         self._block_sizes: dict[int, int] = {}  # rank -> its block size, where not tokens_per_block
-        self._chains = Chains()
-        self._walked = 0                          # mask of the ranks with orphans or untracked holdings
-
-    # --- reading ------------------------------------------------------------
-
-    def ranks(self) -> list[int]:
-        """Ranks the store has a bit for, ascending."""
-        return sorted(self._holdings)
 
     def block_size(self, rank: int) -> int:
         """Tokens per block of ``rank``'s events."""
@@ -100,6 +89,62 @@ class PrefixIndex:
     def other_block_sizes(self) -> set[int]:
         """The block sizes other than ``tokens_per_block`` that some rank is indexed at (mostly none)."""
         return set(self._block_sizes.values())
+
+    def _check_sizes(self, rank: int, events: Sequence[object]) -> None:
+        check_block_sizes(rank, self.block_size(rank), events)
+
+    def set_block_size(self, rank: int, block_size: int) -> None:
+        """Index ``rank`` at ``block_size`` tokens per block from now on (it keeps it across ``remove_rank``).
+
+        Changing a rank's size drops what it holds: its old hashes are of another chain.
+        """
+        check_rank(rank)
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if block_size == self.block_size(rank):
+            return
+        self._drop(rank)
+        if block_size == self.tokens_per_block:
+            self._block_sizes.pop(rank, None)
+        else:
+            self._block_sizes[rank] = block_size
+
+    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry]) -> None:
+        """Rebuild ``rank``'s holdings from nothing; a bad entry raises and changes nothing."""
+        rows = read_snapshot(blocks)
+        if any(row.group or row.kind == "sliding_window" for row in rows):   # router.groups.is_windowed
+            raise ValueError(f"rank {rank}'s snapshot has attention windows: index it with a router.groups.Windowed "
+                             "store")
+        self._load_refs(rank, group0_refs(rows))
+
+    def _drop(self, rank: int) -> None:
+        """Drop what ``rank`` holds, if the store knows it (its bit stays)."""
+        raise NotImplementedError
+
+    def _load_refs(self, rank: int, refs: dict[int, int]) -> None:
+        """Make ``refs`` (packed refs per hash) all that ``rank`` holds."""
+        raise NotImplementedError
+
+
+class PrefixIndex(FlatStore):
+    """The flat-map ``BlockIndex`` (see the module docstring); group 0 only (``WindowedIndex`` keeps the rest)."""
+
+    __slots__ = ("_holders", "_host_only", "_holdings", "_bits", "_chains", "_walked")
+
+    def __init__(self, tokens_per_block: int) -> None:
+        super().__init__(tokens_per_block)
+        self._holders: dict[int, int] = {}     # hash -> mask of the ranks' bits, any tier
+        self._host_only: dict[int, int] = {}   # hash -> mask of ranks holding it on the host tier only
+        self._holdings: dict[int, RankHoldings] = {}
+        self._bits = RankBits()
+        self._chains = Chains()
+        self._walked = 0                          # mask of the ranks with orphans or untracked holdings
+
+    # --- reading ------------------------------------------------------------
+
+    def ranks(self) -> list[int]:
+        """Ranks the store has a bit for, ascending."""
+        return sorted(self._holdings)
 
     def refs(self, rank: int, block_hash: int) -> tuple[int, int]:
         """``(device refs, host refs)`` that ``rank`` holds on ``block_hash``."""
@@ -197,34 +242,11 @@ class PrefixIndex:
         self._settle(rh)
         return diverged
 
-    def _check_sizes(self, rank: int, events: Sequence[object]) -> None:
-        check_block_sizes(rank, self.block_size(rank), events)
-
-    def set_block_size(self, rank: int, block_size: int) -> None:
-        """Index ``rank`` at ``block_size`` tokens per block from now on (it keeps it across ``remove_rank``).
-
-        Changing a rank's size drops what it holds: its old hashes are of another chain.
-        """
-        check_rank(rank)
-        if type(block_size) is not int or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if block_size == self.block_size(rank):
-            return
+    def _drop(self, rank: int) -> None:
         rh = self._holdings.get(rank)
         if rh is not None:
             self._purge(rh)
             self._settle(rh)
-        if block_size == self.tokens_per_block:
-            self._block_sizes.pop(rank, None)
-        else:
-            self._block_sizes[rank] = block_size
-
-    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry]) -> None:
-        """Rebuild ``rank``'s holdings from nothing; a bad entry raises and changes nothing."""
-        rows = read_snapshot(blocks)
-        if any(row.group or row.kind == "sliding_window" for row in rows):   # router.groups.is_windowed
-            raise ValueError(f"rank {rank}'s snapshot has attention windows: index it with WindowedIndex")
-        self._load_refs(rank, group0_refs(rows))
 
     def _load_refs(self, rank: int, refs: dict[int, int]) -> None:
         check_rank(rank)

@@ -3,8 +3,9 @@
 ``PrefixIndex`` (``router.index``) is the reference: Python dicts, four
 entries and several int objects per held block. ``ArrayIndex`` keeps the same
 books in two open-addressing tables (``router.index_kernels``): per hash one
-slot with the holder mask (as many 64-bit words as the ranks' bits need) and
-its count of host-only holders, and per ``(hash, rank)`` refs only where they
+slot with the id of its holder mask (interned: as many 64-bit words as the
+ranks' bits need, stored once per distinct set of holders) and its count of
+host-only holders, and per ``(hash, rank)`` refs only where they
 are not one device ref. A batch is encoded once into flat arrays and applied
 whole by one compiled call; a probe is one compiled walk of the chain, one
 lookup per block, so it needs no chain books to be fast.
@@ -31,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 _MIN_SLOTS = 1024
 _MAX_LOAD = 0.8     # grow by half past this: linear probing stays short, and the tables stay dense
-_FIXED_COUNTS = 2   # counts[0]: hashes held, counts[1]: refs entries; then two per bit
 
 
 class _Table:
@@ -57,13 +57,17 @@ class _Table:
 class ArrayIndex(FlatStore):
     """The array-backed ``BlockIndex`` (see the module docstring); group 0 only, as ``PrefixIndex``."""
 
-    __slots__ = ("_blocks", "_refs", "_counts", "_bits", "_bit_of", "_out", "_bit_rank", "_slots")
+    __slots__ = ("_blocks", "_refs", "_pool", "_mtab", "_free", "_counts", "_bits", "_bit_of", "_out", "_bit_rank",
+                 "_slots")
 
     def __init__(self, tokens_per_block: int) -> None:
         super().__init__(tokens_per_block)
-        self._blocks = _Table(_MIN_SLOTS, 1)    # hash -> holder mask; tag: ranks holding it on the host only
+        self._blocks = _Table(_MIN_SLOTS, 0)    # hash -> its holder mask's id and host-only holders
         self._refs = _Table(_MIN_SLOTS, 1)      # (hash, bit) -> packed refs, where not one device ref
-        self._counts = np.zeros(_FIXED_COUNTS + 2 * 64, np.int64)
+        self._pool = np.zeros((_MIN_SLOTS, 2), np.uint64)   # mask id -> [refcount, words...]
+        self._mtab = np.zeros(2 * _MIN_SLOTS, np.int64)     # the masks by content
+        self._free = np.zeros(_MIN_SLOTS, np.int64)         # freed mask ids
+        self._counts = np.zeros(k.FIXED_COUNTS + 2 * 64, np.int64)
         self._bits = RankBits()
         self._bit_of: dict[int, int] = {}        # rank -> its bit position
         self._out = np.zeros((7, 64), np.int64)  # a probe's answer (``index_kernels.match_walk``)
@@ -86,10 +90,10 @@ class ArrayIndex(FlatStore):
         bit = self._bit_of.get(rank)
         if bit is None:
             return {}
-        n = int(self._counts[_FIXED_COUNTS + 2 * bit])
+        n = int(self._counts[k.FIXED_COUNTS + 2 * bit])
         hs, vs = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
         b, r = self._blocks, self._refs
-        k.held(b.rows, r.rows, bit, hs, vs, 0)
+        k.held(b.rows, r.rows, self._pool, bit, hs, vs, 0)
         return dict(zip(hs.tolist(), vs.tolist()))
 
     def held_among(self, rank: int, hashes: Sequence[int]) -> dict[int, int]:
@@ -100,7 +104,7 @@ class ArrayIndex(FlatStore):
         hs = np.array(hashes, np.uint64)
         vs = np.zeros(len(hs), np.uint64)
         b, r = self._blocks, self._refs
-        k.refs_of(b.rows, r.rows, bit, hs, vs)
+        k.refs_of(b.rows, r.rows, self._pool, bit, hs, vs)
         return {h: v for h, v in zip(hashes, vs.tolist()) if v}
 
     def holders(self, block_hash: int) -> list[int]:
@@ -112,12 +116,12 @@ class ArrayIndex(FlatStore):
         if rank is None:
             return int(self._counts[0])
         bit = self._bit_of.get(rank)
-        return 0 if bit is None else int(self._counts[_FIXED_COUNTS + 2 * bit])
+        return 0 if bit is None else int(self._counts[k.FIXED_COUNTS + 2 * bit])
 
     def host_only_blocks(self, rank: int) -> int:
         """Of ``rank``'s distinct hashes, those it holds on its host tier only (to onboard before reuse)."""
         bit = self._bit_of.get(rank)
-        return 0 if bit is None else int(self._counts[_FIXED_COUNTS + 2 * bit + 1])
+        return 0 if bit is None else int(self._counts[k.FIXED_COUNTS + 2 * bit + 1])
 
     def longest_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
         """Per rank holding ``hashes[0]``: ``(blocks, host-only blocks)`` of its longest held prefix."""
@@ -138,7 +142,7 @@ class ArrayIndex(FlatStore):
             self._slots = np.zeros(2 * n, np.int64)
         out = self._out
         b, r = self._blocks, self._refs
-        found, runs = k.match_walk(b.rows, r.rows, self._bit_rank,
+        found, runs = k.match_walk(b.rows, r.rows, self._pool, self._bit_rank,
                                    np.array(hashes, np.uint64), out, self._slots)
         if not found:
             return {}
@@ -169,10 +173,10 @@ class ArrayIndex(FlatStore):
                 clears += 1
         if not ops:
             return None
-        self._reserve(len(hs))
         log = len(hs) + clears * (self.num_blocks(rank) + len(hs))
+        self._reserve(len(hs), log)
         b, r = self._blocks, self._refs
-        i, h, unit = k.apply_ops(b.rows, r.rows, self._counts, bit,
+        i, h, unit = k.apply_ops(b.rows, r.rows, self._pool, self._mtab, self._free, self._counts, bit,
                                  np.array(ops, np.int64), np.array(hs, np.uint64),
                                  np.zeros(log, np.uint64), np.zeros(log, np.uint64))
         if i < 0:
@@ -188,7 +192,7 @@ class ArrayIndex(FlatStore):
         check_rank(rank)
         bit = self._bit(rank)
         self._purge(bit)
-        self._reserve(len(refs))
+        self._reserve(len(refs), len(refs))
         self._set_all(bit, np.array(list(refs), np.uint64), np.array(list(refs.values()), np.uint64))
 
     def remove_rank(self, rank: int) -> None:
@@ -207,31 +211,47 @@ class ArrayIndex(FlatStore):
             return bit
         bit = self._bit_of[rank] = self._bits.take(rank).bit_length() - 1
         words = bit // 64 + 1
-        if words > self._blocks.rows.shape[1] - 2:
-            self._blocks = self._blocks.grown(int(self._counts[0]), words, False)
+        if words > self._pool.shape[1] - 1:
+            self._set_pool(len(self._pool), words)
             self._counts = np.concatenate([self._counts, np.zeros(2 * 64, np.int64)])
             self._out = np.zeros((7, 64 * words), np.int64)
             self._bit_rank = np.concatenate([self._bit_rank, np.zeros(64, np.int64)])
         self._bit_rank[bit] = rank
         return bit
 
-    def _reserve(self, extra: int) -> None:
-        """Room for ``extra`` more entries in each table (a batch adds at most one per hash)."""
-        self._blocks = self._blocks.grown(int(self._counts[0]) + extra, self._blocks.rows.shape[1] - 2, False)
-        self._refs = self._refs.grown(int(self._counts[1]) + extra, 1, True)
+    def _reserve(self, entries: int, changes: int) -> None:
+        """Room for ``entries`` more entries in each table (a batch adds at most one per hash) and for the new
+        masks of ``changes`` changes and as many undone (at most one new mask each)."""
+        self._blocks = self._blocks.grown(int(self._counts[0]) + entries, 0, False)
+        self._refs = self._refs.grown(int(self._counts[1]) + entries, 1, True)
+        rows = len(self._pool)
+        while rows - 1 - self._counts[2] + self._counts[3] < 2 * changes:
+            rows *= 2
+        if rows != len(self._pool):
+            self._set_pool(rows, self._pool.shape[1] - 1)
+
+    def _set_pool(self, rows: int, words: int) -> None:
+        """A mask pool of ``rows`` masks of ``words`` words, holding the masks of the one it replaces."""
+        pool, free = np.zeros((rows, 1 + words), np.uint64), np.zeros(rows, np.int64)
+        old = self._pool
+        pool[:len(old), :old.shape[1]] = old
+        free[:len(self._free)] = self._free
+        self._pool, self._free, self._mtab = pool, free, np.zeros(2 * rows, np.int64)
+        k.rebuild_masks(pool, self._mtab, self._counts)
 
     def _purge(self, bit: int) -> None:
-        n = int(self._counts[_FIXED_COUNTS + 2 * bit])
+        n = int(self._counts[k.FIXED_COUNTS + 2 * bit])
         if not n:
             return
+        self._reserve(0, n)
         hs = np.zeros(n, np.uint64)
         b, r = self._blocks, self._refs
-        k.held(b.rows, r.rows, bit, hs, np.zeros(n, np.uint64), 0)
+        k.held(b.rows, r.rows, self._pool, bit, hs, np.zeros(n, np.uint64), 0)
         self._set_all(bit, hs, np.zeros(n, np.uint64))
 
     def _set_all(self, bit: int, hs: np.ndarray, vs: np.ndarray) -> None:
         b, r = self._blocks, self._refs
-        k.set_all(b.rows, r.rows, self._counts, bit, hs, vs)
+        k.set_all(b.rows, r.rows, self._pool, self._mtab, self._free, self._counts, bit, hs, vs)
 
 
 @functools.cache

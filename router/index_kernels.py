@@ -2,17 +2,22 @@
 
 Two tables share one layout and one set of loops: one uint64 row per slot,
 ``[key, tag + 1, payload...]`` (a zero second word: the slot is empty), so a
-lookup touches one cache line. The block table maps a hash to its holder mask
-(one bit per rank, ``W`` words) and tags each slot with how many ranks hold it
-on the host tier only. The refs table keeps the refs of a ``(hash, rank bit)``
-pair only where they are not the common one device ref (``DEV``); its tag is
-the bit. Slots are found by linear
+lookup touches one cache line. The block table's row is ``[hash, meta]``:
+its holder mask's id above bit 16 and, below, one more than the number of
+ranks holding it on the host tier only. Masks (one bit per rank, ``W`` words)
+are interned in a pool, refcounted, since a few holder sets cover most blocks:
+a slot costs 16 bytes however many ranks there are. The refs table keeps the
+refs of a ``(hash, rank bit)`` pair only where they are not the common one
+device ref (``DEV``); its tag is the bit, its payload the packed refs. Slots are found by linear
 probing from a multiplicative hash scaled to any capacity (not only powers of
 two, so the tables grow by half and stay dense), and freed by backward shift,
 so there are no tombstones. Callers (``router.array_index``) grow the tables
 before a call so that no loop here allocates.
 
-Every change is ``_set_refs`` of one pair, returning the old value, which
+The mask pool is ``pool[id] = [refcount, words...]`` (id 0: the empty mask,
+never counted), found by content through ``mtab`` (ids, 0 = empty), with
+freed ids on the ``free`` stack; ``counts`` holds its high-water id and stack
+depth. Every change is ``_set_refs`` of one pair, returning the old value, which
 apply logs, so a batch that diverges is undone by setting the logged values
 back, newest first. Compiled on first call and cached on disk (``cache=True``).
 """
@@ -30,6 +35,9 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 _BIT_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
 
 STORE, REMOVE, MOVE, CLEAR = 0, 1, 2, 3   # op kinds of ``apply_ops``
+FIXED_COUNTS = 4   # counts: blocks, refs entries, masks' high-water id, free ids; then per bit: blocks, host-only
+ID_SHIFT = np.uint64(16)
+HOST_BITS = np.uint64(0xFFFF)
 OP_FIELDS = 5                             # per op: kind, unit, new unit (moves), hashes, event index
 
 
@@ -101,13 +109,102 @@ def rehash(t, new, keyed):
 
 
 @njit(cache=True, inline="always")
-def _refs(t, rt, h, bit):
+def _holds(pool, m, bit):
+    return (pool[m, 1 + (bit >> 6)] >> np.uint64(bit & 63)) & U1
+
+
+@njit(cache=True, inline="always")
+def _refs(t, rt, pool, h, bit):
     """``bit``'s packed refs on ``h`` (0: none) and ``h``'s block slot (-1: nobody holds it)."""
     s = _find(t, h, 0, False)
-    if s < 0 or not (t[s, 2 + (bit >> 6)] >> np.uint64(bit & 63)) & U1:
+    if s < 0 or not _holds(pool, t[s, 1] >> ID_SHIFT, bit):
         return np.uint64(0), s
     r = _find(rt, h, bit, True)
     return (DEV if r < 0 else rt[r, 2]), s
+
+
+@njit(cache=True, inline="always")
+def _mask_home(words, cap):
+    x = np.uint64(0)
+    for w in words:
+        x = (x ^ w) * _MIX
+    return np.int64(((x >> U32) * np.uint64(cap) + (((x & LOW32) * np.uint64(cap)) >> U32)) >> U32)
+
+
+@njit(cache=True, inline="always")
+def _same(pool, m, words):
+    for w in range(words.shape[0]):
+        if pool[m, 1 + w] != words[w]:
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def _intern(pool, mtab, free, counts, words):
+    """The id of mask ``words`` (one more reference to it), taking a free id for a new one."""
+    cap = mtab.shape[0]
+    i = _mask_home(words, cap)
+    while mtab[i]:
+        m = mtab[i]
+        if _same(pool, m, words):
+            pool[m, 0] += U1
+            return m
+        i += 1
+        if i == cap:
+            i = 0
+    if counts[3]:
+        counts[3] -= 1
+        m = free[counts[3]]
+    else:
+        counts[2] += 1
+        m = counts[2]
+    pool[m, 1:] = words
+    pool[m, 0] = U1
+    mtab[i] = m
+    return m
+
+
+@njit(cache=True, inline="always")
+def _release(pool, mtab, free, counts, m):
+    """One reference fewer to mask ``m``; its id is free once none is left."""
+    pool[m, 0] -= U1
+    if pool[m, 0]:
+        return
+    cap = mtab.shape[0]
+    i = _mask_home(pool[m, 1:], cap)
+    while mtab[i] != m:
+        i += 1
+        if i == cap:
+            i = 0
+    j = i
+    while True:
+        j += 1
+        if j == cap:
+            j = 0
+        if not mtab[j]:
+            break
+        k = _mask_home(pool[mtab[j], 1:], cap)
+        if (i < k <= j) if i <= j else (k > i or k <= j):
+            continue
+        mtab[i] = mtab[j]
+        i = j
+    mtab[i] = 0
+    free[counts[3]] = m
+    counts[3] += 1
+
+
+@njit(cache=True)
+def rebuild_masks(pool, mtab, counts):
+    """Index every live mask of ``pool`` in ``mtab`` (all empty): after the pool grew or widened."""
+    cap = mtab.shape[0]
+    for m in range(1, counts[2] + 1):
+        if pool[m, 0]:
+            i = _mask_home(pool[m, 1:], cap)
+            while mtab[i]:
+                i += 1
+                if i == cap:
+                    i = 0
+            mtab[i] = m
 
 
 @njit(cache=True, inline="always")
@@ -116,13 +213,11 @@ def _host_only(v):
 
 
 @njit(cache=True, inline="always")
-def _set_refs(t, rt, counts, bit, h, v):
-    """Make ``bit``'s packed refs on ``h`` ``v``; returns the old value. ``counts``: [blocks, refs entries,
-    then per bit: blocks held, blocks held on the host tier only]."""
-    old, s = _refs(t, rt, h, bit)
+def _set_refs(t, rt, pool, mtab, free, counts, scratch, bit, h, v):
+    """Make ``bit``'s packed refs on ``h`` ``v``; returns the old value. ``scratch``: one mask's words."""
+    old, s = _refs(t, rt, pool, h, bit)
     if old == v:
         return old
-    word, one = 2 + (bit >> 6), U1 << np.uint64(bit & 63)
     if s < 0:
         s = _insert(t, h, 0, False)
         counts[0] += 1
@@ -138,33 +233,37 @@ def _set_refs(t, rt, counts, bit, h, v):
         rt[r, 2] = v
     host_change = np.int64(_host_only(v)) - np.int64(_host_only(old))
     t[s, 1] = np.uint64(np.int64(t[s, 1]) + host_change)
-    counts[3 + 2 * bit] += host_change
-    if old == 0:
-        t[s, word] |= one
-        counts[2 + 2 * bit] += 1
-    elif v == 0:
-        t[s, word] &= ~one
-        counts[2 + 2 * bit] -= 1
-        if not t[s, 2:].any():
-            _delete(t, s, False)
-            counts[0] -= 1
+    counts[FIXED_COUNTS + 1 + 2 * bit] += host_change
+    if old != 0 and v != 0:
+        return old
+    m = t[s, 1] >> ID_SHIFT
+    scratch[:] = pool[m, 1:]
+    scratch[bit >> 6] ^= U1 << np.uint64(bit & 63)
+    counts[FIXED_COUNTS + 2 * bit] += 1 if old == 0 else -1
+    if m:
+        _release(pool, mtab, free, counts, m)
+    if scratch.any():
+        t[s, 1] = (np.uint64(_intern(pool, mtab, free, counts, scratch)) << ID_SHIFT) | (t[s, 1] & HOST_BITS)
+    else:
+        _delete(t, s, False)
+        counts[0] -= 1
     return old
 
 
 @njit(cache=True)
-def set_all(t, rt, counts, bit, hs, vs):
+def set_all(t, rt, pool, mtab, free, counts, bit, hs, vs):
     """``_set_refs`` of each pair, in order (a snapshot installed, a purge)."""
+    scratch = np.zeros(pool.shape[1] - 1, np.uint64)
     for k in range(hs.shape[0]):
-        _set_refs(t, rt, counts, bit, hs[k], vs[k])
+        _set_refs(t, rt, pool, mtab, free, counts, scratch, bit, hs[k], vs[k])
 
 
 @njit(cache=True)
-def held(t, rt, bit, out_h, out_v, start):
+def held(t, rt, pool, bit, out_h, out_v, start):
     """Write ``bit``'s ``(hash, refs)`` pairs into ``out_h``/``out_v`` from ``start``; returns the end."""
-    word, one = 2 + (bit >> 6), U1 << np.uint64(bit & 63)
     n = start
     for i in range(t.shape[0]):
-        if t[i, 1] and t[i, word] & one:
+        if t[i, 1] and _holds(pool, t[i, 1] >> ID_SHIFT, bit):
             h = t[i, 0]
             r = _find(rt, h, bit, True)
             out_h[n] = h
@@ -179,33 +278,34 @@ def _held_on(v, unit):
 
 
 @njit(cache=True)
-def apply_ops(t, rt, counts, bit, ops, hs, log_h, log_v):
+def apply_ops(t, rt, pool, mtab, free, counts, bit, ops, hs, log_h, log_v):
     """Apply a batch's ops (``OP_FIELDS`` ints each) for ``bit``, all or none. Returns ``(-1, 0, 0)``, or, for a
     removal or move of a block not held on that tier (everything undone): ``(event index, hash, unit)``."""
     n_log = 0
     p = 0
+    scratch = np.zeros(pool.shape[1] - 1, np.uint64)
     for o in range(ops.shape[0] // OP_FIELDS):
         f = o * OP_FIELDS
         kind, n, event = ops[f], ops[f + 3], ops[f + 4]
         unit, new_unit = np.uint64(ops[f + 1]), np.uint64(ops[f + 2])
         if kind == CLEAR:
             start = n_log
-            n_log = held(t, rt, bit, log_h, log_v, start)
-            set_all(t, rt, counts, bit, log_h[start:n_log],
-                    np.zeros(n_log - start, np.uint64))
+            n_log = held(t, rt, pool, bit, log_h, log_v, start)
+            for e in range(start, n_log):
+                _set_refs(t, rt, pool, mtab, free, counts, scratch, bit, log_h[e], np.uint64(0))
         for k in range(p, p + n):
             h = hs[k]
-            v, _ = _refs(t, rt, h, bit)
+            v, _ = _refs(t, rt, pool, h, bit)
             if kind == STORE:
                 w = v + unit
             elif _held_on(v, unit):
                 w = v - unit + (new_unit if kind == MOVE else np.uint64(0))
             else:
                 for e in range(n_log - 1, -1, -1):
-                    _set_refs(t, rt, counts, bit, log_h[e], log_v[e])
+                    _set_refs(t, rt, pool, mtab, free, counts, scratch, bit, log_h[e], log_v[e])
                 return event, h, unit
             log_h[n_log] = h
-            log_v[n_log] = _set_refs(t, rt, counts, bit, h, w)
+            log_v[n_log] = _set_refs(t, rt, pool, mtab, free, counts, scratch, bit, h, w)
             n_log += 1
         p += n
     return -1, np.uint64(0), np.uint64(0)
@@ -222,31 +322,32 @@ def _bit_index(low):
 
 
 @njit(cache=True)
-def match_walk(t, rt, bit_rank, q, out, slots):
+def match_walk(t, rt, pool, bit_rank, q, out, slots):
     """Per bit holding ``q[0]``: its held prefix of ``q`` and the host-only blocks within it. Writes, in order of
     (blocks, bit), ``out[0]`` the bits, ``out[1]`` their ranks (``bit_rank``), ``out[2]`` the blocks and
     ``out[3]`` the host-only blocks; then the runs of one answer, ``out[4]`` their lengths, ``out[5]`` their
     blocks, ``out[6]`` their host-only blocks. Returns (ranks, runs). One lookup per block, and per-bit work
     only where the holders change; ``slots`` is scratch (one per block)."""
     n = q.shape[0]
-    words = t.shape[1] - 2
+    words = pool.shape[1] - 1
     s = _find(t, q[0], 0, False)
     if s < 0:
         return 0, 0
-    active = t[s, 2:].copy()
+    prev = t[s, 1] >> ID_SHIFT
+    active = pool[prev, 1:].copy()
     slots[0] = s
-    prev = s
     k = 0
     end = n
     for j in range(1, n + 1):
         s = _find(t, q[j], 0, False) if j < n else -1
+        m = t[s, 1] >> ID_SHIFT if s >= 0 else np.uint64(0)
         if j < n:
             slots[j] = s
-            if s == prev:
+            if m == prev:
                 continue
         left = False
         for w in range(words):
-            lost = active[w] & ~t[s, 2 + w] if s >= 0 else active[w]
+            lost = active[w] & ~pool[m, 1 + w]
             if lost:
                 active[w] &= ~lost
                 while lost:
@@ -259,11 +360,11 @@ def match_walk(t, rt, bit_rank, q, out, slots):
         if not left:
             end = j
             break
-        prev = s
+        prev = m
     out[3, :k] = 0
     for j in range(end):
         s = slots[j]
-        if t[s, 1] == U1:   # nobody holds it on the host tier only
+        if t[s, 1] & HOST_BITS == U1:   # nobody holds it on the host tier only
             continue
         for i in range(k):
             if out[2, i] > j:
@@ -284,7 +385,7 @@ def match_walk(t, rt, bit_rank, q, out, slots):
 
 
 @njit(cache=True)
-def refs_of(t, rt, bit, hs, out):
+def refs_of(t, rt, pool, bit, hs, out):
     """``bit``'s packed refs on each of ``hs`` into ``out`` (0: not held)."""
     for i in range(hs.shape[0]):
-        out[i] = _refs(t, rt, hs[i], bit)[0]
+        out[i] = _refs(t, rt, pool, hs[i], bit)[0]

@@ -327,24 +327,26 @@ def match_walk(t, rt, pool, bit_rank, q, out, slots):
     (blocks, bit), ``out[0]`` the bits, ``out[1]`` their ranks (``bit_rank``), ``out[2]`` the blocks and
     ``out[3]`` the host-only blocks; then the runs of one answer, ``out[4]`` their lengths, ``out[5]`` their
     blocks, ``out[6]`` their host-only blocks. Returns (ranks, runs). One lookup per block, and per-bit work
-    only where the holders change; ``slots`` is scratch (one per block)."""
+    only where the holders' mask changes; ``slots`` is scratch (one per block)."""
     n = q.shape[0]
     words = pool.shape[1] - 1
-    s = _find(t, q[0], 0, False)
-    if s < 0:
+    held = n
+    for j in range(n):   # the lookups first, independent of each other, so their cache misses overlap
+        s = _find(t, q[j], 0, False)
+        if s < 0:
+            held = j
+            break
+        slots[j] = s
+    if not held:
         return 0, 0
-    prev = t[s, 1] >> ID_SHIFT
+    prev = t[slots[0], 1] >> ID_SHIFT
     active = pool[prev, 1:].copy()
-    slots[0] = s
     k = 0
     end = n
     for j in range(1, n + 1):
-        s = _find(t, q[j], 0, False) if j < n else -1
-        m = t[s, 1] >> ID_SHIFT if s >= 0 else np.uint64(0)
-        if j < n:
-            slots[j] = s
-            if m == prev:
-                continue
+        m = t[slots[j], 1] >> ID_SHIFT if j < held else np.uint64(0)   # id 0: the empty mask
+        if j < n and m == prev:
+            continue
         left = False
         for w in range(words):
             lost = active[w] & ~pool[m, 1 + w]

@@ -123,7 +123,7 @@ def test_array_store_answers_as_the_reference(seed, ranks, windowed):
     stream = Stream(seed, ranks, windowed)
     ref, arr = (WindowedIndex(TPB), WindowedArrayIndex(TPB)) if windowed else (PrefixIndex(TPB), ArrayIndex(TPB))
     rollbacks = 0
-    for n in range(400 if len(ranks) < 10 else 1000):
+    for n in range(300 if len(ranks) < 10 else 700):
         what, rank, arg = stream.step()
         got = outcome(arr, what, rank, arg)
         assert got == outcome(ref, what, rank, arg), (n, what, rank, arg)

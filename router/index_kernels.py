@@ -237,12 +237,16 @@ def _set_refs(t, rt, pool, mtab, free, counts, scratch, bit, h, v):
     if old != 0 and v != 0:
         return old
     m = t[s, 1] >> ID_SHIFT
-    scratch[:] = pool[m, 1:]
-    scratch[bit >> 6] ^= U1 << np.uint64(bit & 63)
+    held = False
+    for w in range(scratch.shape[0]):   # plain loops: a slice of ``pool`` would be an array to count references to
+        scratch[w] = pool[m, 1 + w]
+        if w == bit >> 6:
+            scratch[w] ^= U1 << np.uint64(bit & 63)
+        held = held or scratch[w] != 0
     counts[FIXED_COUNTS + 2 * bit] += 1 if old == 0 else -1
     if m:
         _release(pool, mtab, free, counts, m)
-    if scratch.any():
+    if held:
         t[s, 1] = (np.uint64(_intern(pool, mtab, free, counts, scratch)) << ID_SHIFT) | (t[s, 1] & HOST_BITS)
     else:
         _delete(t, s, False)

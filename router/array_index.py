@@ -143,7 +143,7 @@ class ArrayIndex(FlatStore):
         out = self._out
         b, r = self._blocks, self._refs
         found, runs = k.match_walk(b.rows, r.rows, self._pool, self._bit_rank,
-                                   np.array(hashes, np.uint64), out, self._slots)
+                                   np.fromiter(hashes, np.uint64, n), out, self._slots)
         if not found:
             return {}
         made = map(make, out[5, :runs].tolist(), out[6, :runs].tolist())
@@ -177,7 +177,7 @@ class ArrayIndex(FlatStore):
         self._reserve(len(hs), log)
         b, r = self._blocks, self._refs
         i, h, unit = k.apply_ops(b.rows, r.rows, self._pool, self._mtab, self._free, self._counts, bit,
-                                 np.array(ops, np.int64), np.array(hs, np.uint64),
+                                 np.array(ops, np.int64), np.fromiter(hs, np.uint64, len(hs)),
                                  np.zeros(log, np.uint64), np.zeros(log, np.uint64))
         if i < 0:
             return None

@@ -2,11 +2,12 @@
 the same random streams give the same answers after every step, rollback reasons and errors included."""
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 
-from kvledger.router.array_index import ArrayIndex
+from kvledger.router.array_index import ArrayIndex, warm_kernels
 from kvledger.router.groups import WindowedArrayIndex, WindowedIndex
 from kvledger.router.index import PrefixIndex, as_pair
 from kvledger.router.snapshot import SnapshotBlock
@@ -151,3 +152,11 @@ def test_array_store_grows_past_its_first_tables():
         ref.remove_rank(rank)
     assert [arr.match(d, as_pair) for d in docs] == [ref.match(d, as_pair) for d in docs]
     assert arr.num_blocks() == ref.num_blocks()
+
+
+def test_warming_compiles_the_kernels_once_and_says_so(caplog):
+    warm_kernels.cache_clear()
+    with caplog.at_level(logging.INFO, logger="kvledger.router.array_index"):
+        warm_kernels()
+        warm_kernels()
+    assert [r.getMessage() for r in caplog.records].count("compiling the index kernels (once; cached on disk)") == 1

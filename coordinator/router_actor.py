@@ -47,6 +47,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvledger.coordinator.cluster import Cluster
 from kvledger.coordinator.config import ClusterConfig
 from kvledger.coordinator.replica_link import RayPeers
+from kvledger.router.array_index import warm_kernels
 from kvledger.router.config import RouterConfig
 from kvledger.router.feed import parse_vllm_endpoint
 from kvledger.router.http import DEFAULT_HOST, DEFAULT_PORT, HttpServer, make_app
@@ -142,6 +143,7 @@ class RouterHost:
         # Listen at once, answering 503 until the index is rebuilt: a restarted router is never a hang.
         self.ready = threading.Event()
         self.server = HttpServer(make_app(self.service, keys, self.ready), config.host, config.port).start()
+        warm_kernels()   # compiled (or read from the disk cache) before the snapshots and the first probe
         # snapshot first, then attach: the first batch a rank pushes then follows its snapshot's number,
         # where a batch 0 arriving after the snapshot would read as a restart and cost a second one
         self.service.feed.sync()

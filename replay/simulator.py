@@ -55,7 +55,7 @@ import torch
 
 from kvledger.coordinator.migration import migrate_prefix
 from kvledger.replay.trace import BlockChains, Trace, TraceRequest, request_tokens
-from kvledger.router.groups import WindowedIndex
+from kvledger.router.groups import WindowedArrayIndex
 from kvledger.router.load import Dispatch, LoadAccount, ReportedQueue
 from kvledger.router.numbering import SequencedIndex
 from kvledger.router.policies import RouteRequest, RoutingPolicy, make_policy
@@ -314,11 +314,11 @@ class Simulator:
         self.prefill_s = c.prefill_s_per_token
         self.onboard_s = c.onboard_s_per_block(T)
         self.migrate_s = c.migrate_s_per_block(T)
-        self.index = SequencedIndex(WindowedIndex(T))
+        self.index = SequencedIndex(WindowedArrayIndex(T))
         """The ranks' ledgers as they are now (batches applied at once): what precision is measured against."""
         # Fed the same batches at once, a replica's index would equal this one: it is shared then.
         self.lagged = config.event_lag_s > 0
-        self.replicas = [_Replica(SequencedIndex(WindowedIndex(T)) if self.lagged else self.index,
+        self.replicas = [_Replica(SequencedIndex(WindowedArrayIndex(T)) if self.lagged else self.index,
                                   make_policy(policy, seed=config.seed, **options))
                          for _ in range(config.routers)]
         self._rng = np.random.default_rng(config.seed)

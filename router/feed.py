@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from kvledger.router.event_log import EventLog, EventRecord
 from kvledger.router.foreign import ForeignFeed
-from kvledger.router.groups import WindowedIndex
+from kvledger.router.groups import WindowedArrayIndex
 from kvledger.router.index import BlockSizeError
 from kvledger.router.numbering import ApplyResult, ApplyStatus, SequencedIndex
 from kvledger.router.probe import PrefixMatch, match_all_sizes
@@ -74,7 +74,7 @@ class EventFeed:
     def __init__(self, ranks: RankSet, tokens_per_block: int, log_size: int, rate_window_s: float,
                  clock: Callable[[], float], on_removed: Callable[[int], None]) -> None:
         self.ranks = ranks
-        self.index = SequencedIndex(WindowedIndex(tokens_per_block))
+        self.index = SequencedIndex(WindowedArrayIndex(tokens_per_block))
         self.log = EventLog(log_size)
         self.lock = threading.Lock()
         self.ranks_removed = 0

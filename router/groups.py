@@ -1,7 +1,7 @@
 """The block store for models with attention windows (VSWA): ``WindowedIndex``, and the safe-prefix rule.
 
-The flat maps (``PrefixIndex``) hold each rank's group-0 blocks, as for any
-model. A rank whose events name another group (``group_idx > 0``) or a sliding
+The flat store (``PrefixIndex``, or ``ArrayIndex``) holds each rank's group-0
+blocks, as for any model. A rank whose events name another group (``group_idx > 0``) or a sliding
 window is *windowed*: its other groups' blocks are kept in ``RankGroups``, with
 every group's window as its stored events say (``kv_cache_spec_kind``,
 ``kv_cache_spec_sliding_window``, as vLLM publishes them), and a probe answers
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvledger.router.array_index import ArrayIndex
 from kvledger.router.index import PrefixIndex, T
 from kvledger.router.refs import DEV_MASK, held_on, tier_unit
 from kvledger.router.snapshot import SnapshotEntry, group0_refs, read_snapshot
@@ -102,11 +103,13 @@ def _shows_windows(ev: object) -> bool:
     return t not in _CLEARS and ev.group_idx != 0
 
 
-class WindowedIndex(PrefixIndex):
-    """``PrefixIndex`` for ranks of any model: the groups past 0 of windowed ranks are kept beside the flat maps,
-    and a probe answers for those ranks by the safe-prefix rule (see the module docstring)."""
+class Windowed:
+    """A flat store (``PrefixIndex``, ``ArrayIndex``) for ranks of any model: the groups past 0 of windowed ranks
+    are kept beside it, and a probe answers for those ranks by the safe-prefix rule (see the module docstring).
+    Mixed in before the store; the concrete class declares the ``_groups`` slot."""
 
-    __slots__ = ("_groups",)
+    __slots__ = ()
+    _groups: dict[int, RankGroups]
 
     def __init__(self, tokens_per_block: int) -> None:
         super().__init__(tokens_per_block)
@@ -203,12 +206,24 @@ class WindowedIndex(PrefixIndex):
         if not hashes:
             return out
         for rank, groups in self._groups.items():
-            found = groups.match(self.held(rank), hashes, self.block_size(rank))
+            found = groups.match(self.held_among(rank, hashes), hashes, self.block_size(rank))
             if found[0]:
                 out[rank] = make(*found)
             else:
                 out.pop(rank, None)
         return out
+
+
+class WindowedIndex(Windowed, PrefixIndex):
+    """``Windowed`` over the reference store."""
+
+    __slots__ = ("_groups",)
+
+
+class WindowedArrayIndex(Windowed, ArrayIndex):
+    """``Windowed`` over the array store: the router's default."""
+
+    __slots__ = ("_groups",)
 
 
 def _undo(groups: RankGroups, undo: list) -> None:

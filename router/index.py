@@ -32,7 +32,8 @@ from kvledger.worker.wire.events import EVENT_CLASS, BlockRemoved, BlockStored, 
 T = TypeVar("T")          # what a probe's caller makes of one match
 
 
-def _pair(blocks: int, host_blocks: int) -> tuple[int, int]:
+def as_pair(blocks: int, host_blocks: int) -> tuple[int, int]:
+    """A match as ``(blocks, host-only blocks)``: the ``make`` of the tuple-answering probes."""
     return blocks, host_blocks
 
 
@@ -68,29 +69,18 @@ class BlockIndex(Protocol):
         """Of ``rank``'s blocks, those it holds on its host tier only."""
 
 
-class PrefixIndex:
-    """The flat-map ``BlockIndex`` (see the module docstring); group 0 only (``WindowedIndex`` keeps the rest)."""
+class FlatStore:
+    """What both flat stores (``PrefixIndex``, ``router.array_index.ArrayIndex``) share: the block size of each
+    rank, and the checks before a batch or a snapshot changes anything. A subclass keeps the blocks
+    (``_drop``, ``_load_refs``)."""
 
-    __slots__ = ("tokens_per_block", "_holders", "_host_only", "_holdings", "_bits", "_block_sizes", "_chains",
-                 "_walked")
+    __slots__ = ("tokens_per_block", "_block_sizes")
 
     def __init__(self, tokens_per_block: int) -> None:
         if type(tokens_per_block) is not int or tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
         self.tokens_per_block = tokens_per_block
-        self._holders: dict[int, int] = {}     # hash -> mask of the ranks' bits, any tier
-        self._host_only: dict[int, int] = {}   # hash -> mask of ranks holding it on the host tier only
-        self._holdings: dict[int, RankHoldings] = {}
-        self._bits = RankBits()
         self._block_sizes: dict[int, int] = {}  # rank -> its block size, where not tokens_per_block
-        self._chains = Chains()
-        self._walked = 0                          # mask of the ranks with orphans or untracked holdings
-
-    # --- reading ------------------------------------------------------------
-
-    def ranks(self) -> list[int]:
-        """Ranks the store has a bit for, ascending."""
-        return sorted(self._holdings)
 
     def block_size(self, rank: int) -> int:
         """Tokens per block of ``rank``'s events."""
@@ -99,6 +89,62 @@ class PrefixIndex:
     def other_block_sizes(self) -> set[int]:
         """The block sizes other than ``tokens_per_block`` that some rank is indexed at (mostly none)."""
         return set(self._block_sizes.values())
+
+    def _check_sizes(self, rank: int, events: Sequence[object]) -> None:
+        check_block_sizes(rank, self.block_size(rank), events)
+
+    def set_block_size(self, rank: int, block_size: int) -> None:
+        """Index ``rank`` at ``block_size`` tokens per block from now on (it keeps it across ``remove_rank``).
+
+        Changing a rank's size drops what it holds: its old hashes are of another chain.
+        """
+        check_rank(rank)
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if block_size == self.block_size(rank):
+            return
+        self._drop(rank)
+        if block_size == self.tokens_per_block:
+            self._block_sizes.pop(rank, None)
+        else:
+            self._block_sizes[rank] = block_size
+
+    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry]) -> None:
+        """Rebuild ``rank``'s holdings from nothing; a bad entry raises and changes nothing."""
+        rows = read_snapshot(blocks)
+        if any(row.group or row.kind == "sliding_window" for row in rows):   # router.groups.is_windowed
+            raise ValueError(f"rank {rank}'s snapshot has attention windows: index it with a router.groups.Windowed "
+                             "store")
+        self._load_refs(rank, group0_refs(rows))
+
+    def _drop(self, rank: int) -> None:
+        """Drop what ``rank`` holds, if the store knows it (its bit stays)."""
+        raise NotImplementedError
+
+    def _load_refs(self, rank: int, refs: dict[int, int]) -> None:
+        """Make ``refs`` (packed refs per hash) all that ``rank`` holds."""
+        raise NotImplementedError
+
+
+class PrefixIndex(FlatStore):
+    """The flat-map ``BlockIndex`` (see the module docstring); group 0 only (``WindowedIndex`` keeps the rest)."""
+
+    __slots__ = ("_holders", "_host_only", "_holdings", "_bits", "_chains", "_walked")
+
+    def __init__(self, tokens_per_block: int) -> None:
+        super().__init__(tokens_per_block)
+        self._holders: dict[int, int] = {}     # hash -> mask of the ranks' bits, any tier
+        self._host_only: dict[int, int] = {}   # hash -> mask of ranks holding it on the host tier only
+        self._holdings: dict[int, RankHoldings] = {}
+        self._bits = RankBits()
+        self._chains = Chains()
+        self._walked = 0                          # mask of the ranks with orphans or untracked holdings
+
+    # --- reading ------------------------------------------------------------
+
+    def ranks(self) -> list[int]:
+        """Ranks the store has a bit for, ascending."""
+        return sorted(self._holdings)
 
     def refs(self, rank: int, block_hash: int) -> tuple[int, int]:
         """``(device refs, host refs)`` that ``rank`` holds on ``block_hash``."""
@@ -109,6 +155,10 @@ class PrefixIndex:
         """``rank``'s packed refs per hash (read only)."""
         rh = self._holdings.get(rank)
         return {} if rh is None else rh.refs
+
+    def held_among(self, rank: int, hashes: Sequence[int]) -> dict[int, int]:
+        """``rank``'s packed refs of at least ``hashes`` (here all of ``held``, uncopied)."""
+        return self.held(rank)
 
     def holders(self, block_hash: int) -> list[int]:
         """Ranks holding ``block_hash`` on any tier, ascending."""
@@ -126,12 +176,12 @@ class PrefixIndex:
         """Per rank holding ``hashes[0]``: ``(blocks, host-only blocks)`` of its longest held prefix of the
         sequence, checking every block (any sequence of hashes; ``chain_prefixes`` is the probe's)."""
         active = self._holders.get(hashes[0], 0) if hashes else 0
-        return self._answer(hashes, walk(self._holders, hashes, active), _pair) if active else {}
+        return self._answer(hashes, walk(self._holders, hashes, active), as_pair) if active else {}
 
     def chain_prefixes(self, hashes: Sequence[int]) -> dict[int, tuple[int, int]]:
         """``longest_prefixes`` of a chain (each hash the child of the one before, as ``prompt_hashes`` makes
         them and ledgers publish them), by bisection where the ranks hold whole prefixes only."""
-        return self.match(hashes, _pair)
+        return self.match(hashes, as_pair)
 
     def match(self, hashes: Sequence[int], make: Callable[[int, int], T]) -> dict[int, T]:
         """``chain_prefixes``, with each distinct ``(blocks, host-only blocks)`` made into
@@ -192,42 +242,14 @@ class PrefixIndex:
         self._settle(rh)
         return diverged
 
-    def _check_sizes(self, rank: int, events: Sequence[object]) -> None:
-        tpb = self.block_size(rank)
-        for i, ev in enumerate(events):
-            t = EVENT_CLASS[type(ev)]
-            if (t is BlockStored or t is KVCacheCreated) and ev.block_size != tpb:
-                raise BlockSizeError(f"events[{i}]: {t.__name__}.block_size {ev.block_size} differs from rank "
-                                     f"{rank}'s {tpb} tokens per block; blocks of another size never match")
-
-    def set_block_size(self, rank: int, block_size: int) -> None:
-        """Index ``rank`` at ``block_size`` tokens per block from now on (it keeps it across ``remove_rank``).
-
-        Changing a rank's size drops what it holds: its old hashes are of another chain.
-        """
-        _check_rank(rank)
-        if type(block_size) is not int or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if block_size == self.block_size(rank):
-            return
+    def _drop(self, rank: int) -> None:
         rh = self._holdings.get(rank)
         if rh is not None:
             self._purge(rh)
             self._settle(rh)
-        if block_size == self.tokens_per_block:
-            self._block_sizes.pop(rank, None)
-        else:
-            self._block_sizes[rank] = block_size
-
-    def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry]) -> None:
-        """Rebuild ``rank``'s holdings from nothing; a bad entry raises and changes nothing."""
-        rows = read_snapshot(blocks)
-        if any(row.group or row.kind == "sliding_window" for row in rows):   # router.groups.is_windowed
-            raise ValueError(f"rank {rank}'s snapshot has attention windows: index it with WindowedIndex")
-        self._load_refs(rank, group0_refs(rows))
 
     def _load_refs(self, rank: int, refs: dict[int, int]) -> None:
-        _check_rank(rank)
+        check_rank(rank)
         rh = self._holdings.get(rank)
         if rh is None:
             rh = self._new_holdings(rank)
@@ -283,13 +305,13 @@ class PrefixIndex:
                         self._sub(rh, h, unit)
                     else:
                         self._roll_back(rh, events, i, j, cleared)
-                        return _diverged(i, "removes", h, unit)
+                        return diverged(i, "removes", h, unit)
             elif t is BlockUpdated:
-                if _is_move(ev):
+                if is_move(ev):
                     old = tier_unit(ev.old_medium)
                     if not held_on(refs.get(ev.block_hash, 0), old):
                         self._roll_back(rh, events, i, 0, cleared)
-                        return _diverged(i, "moves", ev.block_hash, old)
+                        return diverged(i, "moves", ev.block_hash, old)
                     # add before taking away, so the block never looks absent mid-move
                     self._add(rh, ev.block_hash, tier_unit(ev.new_medium), UNKNOWN)
                     self._sub(rh, ev.block_hash, old)
@@ -318,7 +340,7 @@ class PrefixIndex:
                 for h in reversed(ev.block_hashes):
                     self._add(rh, h, unit, parent_of(h))
             elif t is BlockUpdated:
-                if _is_move(ev):
+                if is_move(ev):
                     self._add(rh, ev.block_hash, tier_unit(ev.old_medium), UNKNOWN)
                     self._sub(rh, ev.block_hash, tier_unit(ev.new_medium))
             else:   # the holdings are empty again, as right after the clear
@@ -408,16 +430,26 @@ def _clear_bit(masks: dict[int, int], h: int, bit: int) -> None:
         del masks[h]
 
 
-def _diverged(i: int, what: str, h: int, unit: int) -> str:
+def check_block_sizes(rank: int, tpb: int, events: Sequence[object]) -> None:
+    """``BlockSizeError`` for the first store or creation of another block size than ``rank``'s ``tpb``."""
+    for i, ev in enumerate(events):
+        t = EVENT_CLASS[type(ev)]
+        if (t is BlockStored or t is KVCacheCreated) and ev.block_size != tpb:
+            raise BlockSizeError(f"events[{i}]: {t.__name__}.block_size {ev.block_size} differs from rank "
+                                 f"{rank}'s {tpb} tokens per block; blocks of another size never match")
+
+
+def diverged(i: int, what: str, h: int, unit: int) -> str:
+    """Why a batch was rolled back: ``events[i]`` ``what`` (removes, moves) ``h`` from a tier it is not held on."""
     tier = "host" if unit == HOST else "device"
     return f"events[{i}] {what} {h:#x} from the {tier} tier, which the rank does not hold there: the index has diverged"
 
 
-def _is_move(ev: BlockUpdated) -> bool:
+def is_move(ev: BlockUpdated) -> bool:
     """A tier change (offload or onboard); an update of priority alone changes nothing here."""
     return ev.old_medium is not None and ev.new_medium is not None and ev.old_medium != ev.new_medium
 
 
-def _check_rank(rank: object) -> None:
+def check_rank(rank: object) -> None:
     if type(rank) is not int or rank < 0:
         raise ValueError(f"rank must be a non-negative int, got {rank!r}")

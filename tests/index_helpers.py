@@ -2,7 +2,8 @@
 builds it."""
 from __future__ import annotations
 
-from kvledger.router.groups import WindowedIndex
+from kvledger.router.groups import WindowedArrayIndex
+from kvledger.router.index import BlockIndex
 from kvledger.router.numbering import SequencedIndex
 from kvledger.worker.wire.events import BlockRemoved, BlockStored, EventBatch
 
@@ -29,9 +30,10 @@ def state(index: SequencedIndex, ranks=range(4), hashes=H):
             {h: index.store.holders(h) for h in hashes}, index.num_blocks())
 
 
-def make_index() -> SequencedIndex:
-    """The numbering in front of the windowed block store, as ``EventFeed`` builds it."""
-    return SequencedIndex(WindowedIndex(TPB))
+def make_index(store: type[BlockIndex] = WindowedArrayIndex) -> SequencedIndex:
+    """The numbering in front of the windowed block store, as ``EventFeed`` builds it (``store``: the reference,
+    ``WindowedIndex``, for tests of its chain books)."""
+    return SequencedIndex(store(TPB))
 
 
 def ingest(index: SequencedIndex, rank: int, seq: int, data: bytes):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from index_helpers import H, TPB, batch, ingest, make_index, removed, state, stored
 
 from kvledger.router.foreign import ForeignFeed
+from kvledger.router.groups import WindowedIndex
 from kvledger.router.numbering import ApplyStatus, SequencedIndex
 from kvledger.router.probe import match_prefix, prompt_hashes
 from kvledger.router.snapshot import SnapshotBlock
@@ -308,7 +309,7 @@ def _check_orphan_books(index: SequencedIndex) -> None:
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(_chain_op, max_size=4), max_size=12))
 def test_chain_prefixes_agree_with_the_block_by_block_walk(batches):
-    index = make_index()
+    index = make_index(WindowedIndex)
     for ops in batches:
         for kind, rank, c, start, n in ops:
             chain = CHAINS[c]
@@ -344,7 +345,7 @@ LONG[1][:70] = LONG[0][:70]
 def test_chain_prefixes_of_long_chains_agree_with_the_block_by_block_walk(ops):
     """Many ranks ending their matches all along chains of many grid steps (bisected in C while no rank holds an
     orphan), and mid-chain evictions that make some ranks walked: the answers are the walk's."""
-    index = make_index()
+    index = make_index(WindowedIndex)
     for rank, c, length, cut, mid_chain in ops:
         held = index.store.chain_prefixes(LONG[c]).get(rank, (0, 0))[0]
         if length > held:   # grow the rank's prefix of chain c to ``length`` blocks
@@ -360,7 +361,8 @@ def test_chain_prefixes_of_long_chains_agree_with_the_block_by_block_walk(ops):
                 assert index.store.chain_prefixes(chain[:end]) == index.store.longest_prefixes(chain[:end])
 
 
-def test_chain_prefixes_walk_ranks_with_holes_and_sequences_that_are_not_chains(index):
+def test_chain_prefixes_walk_ranks_with_holes_and_sequences_that_are_not_chains():
+    index = make_index(WindowedIndex)
     c = CHAINS[0]
     index.apply(0, 0, batch(stored(c[:8])))
     index.apply(1, 0, batch(stored(c[:8])))
@@ -375,7 +377,8 @@ def test_chain_prefixes_walk_ranks_with_holes_and_sequences_that_are_not_chains(
         == {0: (4, 0), 1: (4, 0)}
 
 
-def test_snapshot_of_blocks_of_unknown_parent_is_walked_block_by_block(index):
+def test_snapshot_of_blocks_of_unknown_parent_is_walked_block_by_block():
+    index = make_index(WindowedIndex)
     c = CHAINS[0]
     index.load_snapshot(2, [SnapshotBlock(h) for h in c[:5]], 0)
     assert index.store._walked == 1 << 0                        # rank 2 took slot 0

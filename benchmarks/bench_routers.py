@@ -99,10 +99,12 @@ def start_servers(work: Path, count: int, blocks: int) -> list[VllmServer]:
 def serve_kvledger(spec: dict) -> None:
     """The kvledger router alone, in this process (``--serve-router``): its port on stdout, serving until stdin
     closes."""
+    from kvledger.router.array_index import warm_kernels
     from kvledger.router.config import RouterConfig
     from kvledger.router.http import HttpServer, make_app
     from kvledger.router.service import RouterService
 
+    warm_kernels()   # as ``kvledger up``'s router does before it reports ready
     service = RouterService(None, RouterConfig(tokens_per_block=BLOCK, policy=spec["policy"],
                                                vllm=tuple(spec["urls"])))
     service.refresh_loads(force=True)

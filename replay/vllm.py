@@ -101,10 +101,12 @@ class VllmPolicyReplay(PolicyReplay):
     @contextlib.contextmanager
     def _router(self) -> Iterator[str]:
         """kvledger's router with this policy, in this process, its HTTP API on 127.0.0.1: its URL."""
+        from kvledger.router.array_index import warm_kernels
         from kvledger.router.config import RouterConfig
         from kvledger.router.http import HttpServer, make_app
         from kvledger.router.service import RouterService
 
+        warm_kernels()   # as ``kvledger up``'s router does before it reports ready
         s = self.sim
         service = RouterService(None, RouterConfig(tokens_per_block=s.tokens_per_block, policy=self.policy,
                                                    seed=s.seed, vllm=self.urls,

@@ -4,14 +4,17 @@ A cost model with one figure for every engine sends work to the slow one as if
 it were fast. Engines differ (another tenant's decodes, a hot node, a smaller
 GPU), so the router fits each one from what it sees of every request it sent
 there: the seconds to the first token against the prompt tokens the engine had
-to compute, a line ``first = overhead + computed * prefill`` fitted by least
+to compute before it (its own uncached ones, and those the router had queued
+there ahead of it: its wait is not mistaken for slowness), a line
+``first = overhead + tokens * prefill`` fitted by least
 squares with exponential forgetting (recent answers count most, an engine that
 slows down is seen within tens of requests), and, from streams, the seconds
 between the first token and the last over the tokens decoded. A whole
 completion's first token is its end less its decode at the rank's current rate.
 Until ``MIN_SAMPLES`` answers have been seen a rank has no figure and the
 policy uses its own. The waiting an engine makes a request do is in its
-answers too: a busy engine is a slow one.
+answers too: what the router did not queue there itself (another tenant's work)
+makes an engine slow.
 """
 from __future__ import annotations
 
@@ -69,10 +72,10 @@ class EngineRates:
         self._lock = threading.Lock()
 
     def observe(self, rank: int, computed_tokens: int, output_tokens: int, first_s: float | None,
-                total_s: float) -> None:
+                total_s: float, ahead_tokens: int = 0) -> None:
         """One answer from ``rank``: ``first_s`` to its first token (``None``: a whole completion), ``total_s`` to
-        its end."""
-        if computed_tokens < 0 or output_tokens < 0 or total_s < 0:
+        its end; ``ahead_tokens``: prompt tokens queued there before it, which its first token waited for."""
+        if computed_tokens < 0 or output_tokens < 0 or total_s < 0 or ahead_tokens < 0:
             return
         with self._lock:
             fit = self._fits.setdefault(rank, _Fit())
@@ -81,7 +84,7 @@ class EngineRates:
                 fit.decode = sample if fit.decode is None else FORGET * fit.decode + (1 - FORGET) * sample
             if first_s is None:
                 first_s = max(0.0, total_s - (fit.decode or 0.0) * max(output_tokens - 1, 0))
-            fit.add(float(computed_tokens), first_s)
+            fit.add(float(computed_tokens + ahead_tokens), first_s)
 
     def rate(self, rank: int) -> EngineRate | None:
         """``rank``'s figures, or ``None`` before ``MIN_SAMPLES`` answers."""

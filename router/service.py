@@ -320,6 +320,8 @@ class RouterService:
                 predicted = min(self._held(req, rank, decision) + migrated * self.config.tokens_per_block,
                                 len(req.tokens) - 1)
                 dispatch = self._dispatch(req, rank, predicted)
+                state = decision.loads.get(rank)
+                ahead = state.queued_prefill_tokens if state is not None else 0
                 try:
                     engine = self.engines.engine(rank)
                     t0 = time.perf_counter()
@@ -341,9 +343,10 @@ class RouterService:
                     raise
                 if stream is not None:
                     return self._relay(rank, predicted, migrated, req, job.n, dispatch, first, chunks, stream,
-                                       session, t0, first_s)
+                                       session, t0, first_s, ahead)
                 self._finished(dispatch)
-                self._observe(rank, len(req.tokens), got.answer, got.cached_tokens, None, time.perf_counter() - t0)
+                self._observe(rank, len(req.tokens), got.answer, got.cached_tokens, None, time.perf_counter() - t0,
+                              ahead)
                 if session is not None:
                     self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
                                          waits_on_tool(got.answer))
@@ -371,7 +374,7 @@ class RouterService:
 
     def _relay(self, rank: int, predicted: int, migrated: int, req: RouteRequest, n: int, dispatch: Dispatch,
                first: dict | str, chunks: Iterator[dict | str], held: Held, session: str | None,
-               t0: float, first_s: float) -> Streamed:
+               t0: float, first_s: float, ahead: int) -> Streamed:
         """The stream's chunks; its admission slot is given back when it ends (or when it is dropped unstarted).
         ``t0``: when it was sent, ``first_s`` after it the first chunk came (the engine's speed is learned from
         them and the stream's end)."""
@@ -397,14 +400,15 @@ class RouterService:
             self._finished(dispatch)
             held.release()
         self.tally.served(rank, len(req.tokens), predicted, cached, migrated)
-        self._observe(rank, len(req.tokens), usage, cached, first_s, time.perf_counter() - t0)
+        self._observe(rank, len(req.tokens), usage, cached, first_s, time.perf_counter() - t0, ahead)
 
     def _observe(self, rank: int, prompt: int, answer: dict, cached: int, first_s: float | None,
-                 total_s: float) -> None:
-        """An answer from ``rank``: what it had to compute and decode, and how long it took."""
+                 total_s: float, ahead: int) -> None:
+        """An answer from ``rank``: what it had to compute (``ahead``: the prefill tokens dispatched there before
+        it and not yet computed, by the router's account) and decode, and how long it took."""
         usage = answer.get("usage") or answer
         output = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
-        self.rates.observe(rank, prompt - cached, output, first_s, total_s)
+        self.rates.observe(rank, prompt - cached, output, first_s, total_s, ahead)
 
     def _session_served(self, session: str, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
                         tool: bool) -> None:

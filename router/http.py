@@ -266,8 +266,9 @@ class _StartingGate:
         await self.app(scope, receive, send)
 
 
-def _caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Caller:
-    """Who sends the request: the key's tenant and role, or everyone (``OPEN``) on a router without keys."""
+async def _caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Caller:
+    """Who sends the request: the key's tenant and role, or everyone (``OPEN``) on a router without keys. A
+    coroutine: FastAPI sends a plain function to a thread of its pool, a hop per request for a few comparisons."""
     keys: ApiKeys | None = request.app.state.keys
     if keys is None:
         return OPEN
@@ -298,7 +299,7 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-def _admin(who: Annotated[Caller, Depends(_caller)]) -> Caller:
+async def _admin(who: Annotated[Caller, Depends(_caller)]) -> Caller:
     who.require("admin")
     return who
 
@@ -313,7 +314,10 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     """The router's HTTP API over ``service`` (see DESIGN.md, "HTTP"); with ``keys``, every endpoint but
     ``/health`` wants a key, and the admin endpoints an admin's (``router.tenants``). Until ``ready`` is set
     (a router rebuilding its index after a restart) every request gets a 503 with ``Retry-After``."""
-    app = FastAPI(title="kvledger router", version="0.1.0", responses=ERROR_RESPONSES)
+    # no OpenTelemetry: the router exports its own metrics, and FastAPI's check for a provider cost every request
+    # a tenth of the event loop's time
+    app = FastAPI(title="kvledger router", version="0.1.0", responses=ERROR_RESPONSES,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     app.openapi = lambda: _openapi(app)
 
     if ready is not None:

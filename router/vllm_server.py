@@ -29,7 +29,6 @@ call has a timeout; a server that does not answer raises
 """
 from __future__ import annotations
 
-import http.client
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -191,10 +190,10 @@ class VllmServer:
     def complete(self, body: dict, path: str = COMPLETIONS) -> tuple[int, dict]:
         """``POST path`` (completions, chat completions or responses): the status and the server's JSON answer."""
         try:
-            got = self._pool.post_json(path, _encode(body))
-            return got.status, _decode(got.body)
-        except (OSError, http.client.HTTPException) as e:
+            status, answer = self._pool.post_json(path, _encode(body))
+        except OSError as e:
             raise EngineUnreachableError(f"vLLM server {self.url}: POST {path}: {e!r}") from e
+        return status, _decode(answer)
 
     def stream(self, body: dict, path: str = COMPLETIONS) -> Iterator[dict | str]:
         """``POST path`` with ``stream``: each server-sent event's JSON, then ``"[DONE]"`` (a Responses stream has
@@ -203,16 +202,18 @@ class VllmServer:
         ``EngineUnreachableError`` if the server cannot be reached before its first event.
         """
         try:
-            with self._pool.post(path, _encode(body)) as r:
-                if r.status != 200:
-                    yield {"error": _decode(r.read()), "status": r.status}
+            with self._pool.post(path, _encode(body)) as answer:
+                if answer.status != 200:
+                    yield {"error": _decode(answer.read()), "status": answer.status}
                     return
-                for line in r:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    yield "[DONE]" if data == b"[DONE]" else _decode(data)
-        except (OSError, http.client.HTTPException) as e:
+                rest = b""
+                for chunk in answer.chunks():
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    for line in lines:
+                        if line.startswith(b"data:"):
+                            data = line[5:].strip()
+                            yield "[DONE]" if data == b"[DONE]" else _decode(data)
+        except OSError as e:
             raise EngineUnreachableError(f"vLLM server {self.url}: streamed completion: {e!r}") from e
 
     def reset_prefix_cache(self) -> None:

@@ -12,10 +12,12 @@ the other in one run:
 
 For each: the sequential latency p50/p99 of text completions of ``max_tokens`` 1
 (each prompt its own), and what it adds over going direct; then requests per
-second with ``--concurrency`` in flight, and its ratio to direct. The goals are
-printed as ratios beside them.
+second with ``--concurrency`` in flight, and its ratio to direct. Every router
+is started first; then the targets are measured in turn, ``--rounds`` times
+(the machine is shared: a slow spell then falls on every target), and the
+medians are reported. The goals are printed as ratios beside them.
 
-    python benchmarks/bench_http.py [--no-peers] [--vllm URL] [--requests 300] [--burst 1280] [--concurrency 64]
+    python benchmarks/bench_http.py [--no-peers] [--vllm URL] [--requests 300] [--burst 1280] [--concurrency 64] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ import numpy as np
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
-from bench_routers import BLOCK, RouterProcess  # noqa: E402
-from vllm_engines import start_bench_servers  # noqa: E402
+from bench_routers import BLOCK, RouterProcess
+from vllm_engines import start_bench_servers
 
 #: The routers behind the server, as ``bench_routers.RouterProcess`` names them.
 PEERS = ("sglang-router cache_aware", "vllm-router kv_aware")
@@ -91,6 +93,9 @@ async def _burst(url: str, model: str, n: int, concurrency: int) -> float:
 
 
 def measure(name: str, url: str, model: str, args: argparse.Namespace) -> Figures:
+    """Sequential latency, then the rate at ``--concurrency`` in flight, after a burst that warms every
+    connection (and the router's threads) up."""
+    asyncio.run(_burst(url, model, WARMUP * args.concurrency // 4, args.concurrency))
     lat = sequential(url, model, args.requests)
     rate = asyncio.run(_burst(url, model, args.burst, args.concurrency))
     f = Figures(name, statistics.median(lat), float(np.percentile(lat, 99)), rate)
@@ -123,6 +128,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300, help="sequential completions per target")
     ap.add_argument("--burst", type=int, default=1280, help="completions per target at --concurrency in flight")
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="every target measured this many times, in turn; the medians are reported")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         core = str(min(os.sched_getaffinity(0)))
@@ -134,13 +141,21 @@ def main() -> None:
                 event = c.get(f"{url}/kv_event_sources").json()["0"]["endpoint"].replace("*", "127.0.0.1")
             print(f"one vLLM server at {url}, engine on core {core}; {args.requests} sequential completions "
                   f"(max_tokens 1), {args.burst} at {args.concurrency} in flight, per target", flush=True)
-            results = [measure("direct", url, model, args)]
-            for name in ("kvledger kv", *(() if args.no_peers else PEERS)):
-                router = RouterProcess(name, [url], [event], model)
-                try:
-                    results.append(measure(name, router.url, model, args))
-                finally:
-                    router.close()
+            routers: list[RouterProcess] = []
+            try:
+                for name in ("kvledger kv", *(() if args.no_peers else PEERS)):
+                    routers.append(RouterProcess(name, [url], [event], model))
+                targets = [("direct", url), *((r.name, r.url) for r in routers)]
+                rounds = []
+                for i in range(args.rounds):
+                    print(f"round {i + 1}", flush=True)
+                    rounds.append([measure(name, u, model, args) for name, u in targets])
+            finally:
+                for r in routers:
+                    r.close()
+            results = [Figures(f[0].name, *(statistics.median(getattr(x, k) for x in f)
+                                            for k in ("p50_ms", "p99_ms", "req_s")))
+                       for f in zip(*rounds)]
             report(results, args.concurrency)
         finally:
             for s in servers:

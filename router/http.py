@@ -348,7 +348,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
     ``/health`` wants a key, and the admin endpoints an admin's (``router.tenants``). Until ``ready`` is set
     (a router rebuilding its index after a restart) every request gets a 503 with ``Retry-After``."""
     # no OpenTelemetry: the router exports its own metrics, and FastAPI's check for a provider cost every request
-    # a tenth of the event loop's time
+    # about a tenth of the router's sampled CPU
     app = FastAPI(title="kvledger router", version="0.1.0", responses=ERROR_RESPONSES,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.openapi = lambda: _openapi(app)

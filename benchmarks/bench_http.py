@@ -1,0 +1,166 @@
+"""The router's hot path: what each router adds to a short completion, in front of one real vLLM server.
+
+One vLLM 0.32 CPU server on the tiny checkpoint (OpenMP bound to one core, the
+router and the client sharing the machine with it), reached in turn, one after
+the other in one run:
+
+- ``direct``: the server itself (the baseline);
+- ``kvledger``: kvledger's router in a process of its own, as ``kvledger up --ranks 0 --vllm URL`` fronts the
+  server (``bench_routers.py --serve-router``: the ``kv`` policy, subscribed to the server's events);
+- ``sglang-router`` (``cache_aware``) and ``vllm-router`` (``kv_aware``, fed the same events), unless
+  ``--no-peers``.
+
+For each: the sequential latency p50/p99 of text completions of ``max_tokens`` 1
+(each prompt its own), and what it adds over going direct; then requests per
+second with ``--concurrency`` in flight, and its ratio to direct. Every router
+is started first; then the targets are measured in turn, ``--rounds`` times
+(the machine is shared: a slow spell then falls on every target), and the
+medians are reported. The goals are printed as ratios beside them.
+
+    python benchmarks/bench_http.py [--no-peers] [--vllm URL] [--requests 300] [--burst 1280] [--concurrency 64] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+_REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
+from bench_routers import BLOCK, RouterProcess
+from vllm_engines import start_bench_servers
+
+#: The routers behind the server, as ``bench_routers.RouterProcess`` names them.
+PEERS = ("sglang-router cache_aware", "vllm-router kv_aware")
+HTTP_TIMEOUT_S = 60.0
+WARMUP = 20
+#: The goals (issue #27, item 4): at most this many ms added at p50 over direct, and over the best peer's addition.
+ADDED_MS_GOAL = 1.0
+#: At least this share of direct throughput with ``--concurrency`` in flight.
+THROUGHPUT_GOAL = 0.90
+
+
+@dataclass(frozen=True)
+class Figures:
+    name: str
+    p50_ms: float
+    p99_ms: float
+    req_s: float
+
+
+def body(model: str, i: int) -> dict:
+    """A short text completion of its own (about 64 tokens: two full blocks and a part)."""
+    return {"model": model, "prompt": f"request {i:06d}: the quick brown fox jumps over the lazy dog again",
+            "max_tokens": 1}
+
+
+def sequential(url: str, model: str, n: int) -> list[float]:
+    """``n`` completions one at a time: each one's latency in ms."""
+    out = []
+    with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S) as c:
+        for i in range(WARMUP + n):
+            t0 = time.perf_counter()
+            r = c.post("/v1/completions", json=body(model, i))
+            ms = (time.perf_counter() - t0) * 1e3
+            r.raise_for_status()
+            if i >= WARMUP:
+                out.append(ms)
+    return out
+
+
+async def _burst(url: str, model: str, n: int, concurrency: int) -> float:
+    """``n`` completions, ``concurrency`` in flight at all times: requests per second."""
+    todo = iter(range(n))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S, limits=limits) as c:
+        async def worker() -> None:
+            for i in todo:
+                (await c.post("/v1/completions", json=body(model, 10**6 + i))).raise_for_status()
+
+        await asyncio.gather(*(c.post("/v1/completions", json=body(model, i)) for i in range(concurrency)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return n / (time.perf_counter() - t0)
+
+
+def measure(name: str, url: str, model: str, args: argparse.Namespace) -> Figures:
+    """Sequential latency, then the rate at ``--concurrency`` in flight, after a burst that warms every
+    connection (and the router's threads) up."""
+    asyncio.run(_burst(url, model, WARMUP * args.concurrency // 4, args.concurrency))
+    lat = sequential(url, model, args.requests)
+    rate = asyncio.run(_burst(url, model, args.burst, args.concurrency))
+    f = Figures(name, statistics.median(lat), float(np.percentile(lat, 99)), rate)
+    print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s", flush=True)
+    return f
+
+
+def report(results: list[Figures], concurrency: int) -> None:
+    direct, ours, peers = results[0], results[1], results[2:]
+    print(f"\n{'target':<26} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} "
+          f"{f'req/s @{concurrency}':>10} {'/direct':>8}")
+    for f in results:
+        print(f"{f.name:<26} {f.p50_ms:>7.2f} {f.p99_ms:>7.2f} {f.p50_ms - direct.p50_ms:>8.2f} "
+              f"{f.p99_ms - direct.p99_ms:>8.2f} {f.req_s:>10.1f} {f.req_s / direct.req_s:>8.2f}")
+    added = ours.p50_ms - direct.p50_ms
+    print(f"kvledger: +{added:.2f} ms at p50 over direct, / goal {added / ADDED_MS_GOAL:.2f} "
+          f"(goal <= {ADDED_MS_GOAL:g} ms: ratio <= 1); {ours.req_s / direct.req_s:.2f} of direct's req/s at "
+          f"{concurrency} in flight (goal >= {THROUGHPUT_GOAL:.2f})")
+    if peers:
+        best = min(peers, key=lambda p: p.p50_ms)
+        over = added - (best.p50_ms - direct.p50_ms)
+        print(f"kvledger: +{over:.2f} ms at p50 over {best.name}'s addition, / goal {over / ADDED_MS_GOAL:.2f} "
+              f"(goal <= {ADDED_MS_GOAL:g} ms: ratio <= 1)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm", metavar="URL", help="a server already running (started with --enable-scale-out)")
+    ap.add_argument("--no-peers", action="store_true", help="kvledger's router alone against direct")
+    ap.add_argument("--requests", type=int, default=300, help="sequential completions per target")
+    ap.add_argument("--burst", type=int, default=1280, help="completions per target at --concurrency in flight")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="every target measured this many times, in turn; the medians are reported")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
+        core = str(min(os.sched_getaffinity(0)))
+        servers = [] if args.vllm else start_bench_servers(Path(tmp), [core], ("--enable-scale-out",), BLOCK)
+        try:
+            url = args.vllm or servers[0].url
+            with httpx.Client(timeout=10.0) as c:
+                model = c.get(f"{url}/v1/models").json()["data"][0]["id"]
+                event = c.get(f"{url}/kv_event_sources").json()["0"]["endpoint"].replace("*", "127.0.0.1")
+            print(f"one vLLM server at {url}, engine on core {core}; {args.requests} sequential completions "
+                  f"(max_tokens 1), {args.burst} at {args.concurrency} in flight, per target", flush=True)
+            routers: list[RouterProcess] = []
+            try:
+                for name in ("kvledger kv", *(() if args.no_peers else PEERS)):
+                    routers.append(RouterProcess(name, [url], [event], model))
+                targets = [("direct", url), *((r.name, r.url) for r in routers)]
+                rounds = []
+                for i in range(args.rounds):
+                    print(f"round {i + 1}", flush=True)
+                    rounds.append([measure(name, u, model, args) for name, u in targets])
+            finally:
+                for r in routers:
+                    r.close()
+            results = [Figures(f[0].name, *(statistics.median(getattr(x, k) for x in f)
+                                            for k in ("p50_ms", "p99_ms", "req_s")))
+                       for f in zip(*rounds)]
+            report(results, args.concurrency)
+        finally:
+            for s in servers:
+                s.stop()
+
+
+if __name__ == "__main__":
+    main()

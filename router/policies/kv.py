@@ -1,7 +1,8 @@
 """Ours: the rank with the lowest estimated time to first token, optionally after pulling the prefix over.
 
-Cost of serving on rank r, in seconds (``prefill`` is the configured figure scaled by the rank's speed relative
-to the others', once the router has learned every rank's from its answers: ``RankState.prefill_s_per_token``)::
+Cost of serving on rank r, in seconds (``prefill`` is the configured figure; with ``speed_spread`` above 1 it is
+scaled by the rank's speed relative to the others', once the router has learned every rank's from its answers:
+``RankState.prefill_s_per_token``)::
 
     queued_prefill_tokens * prefill + running_decode_blocks * decode        (its load)
     + (prompt tokens - matched blocks * block size) * prefill               (what it must compute)
@@ -88,6 +89,12 @@ class KvCostModel:
     """A prefix the router sent to a rank within this many requests counts as held there though the index does not
     show it yet: its request may still be computing it, and the engine publishes it after (0: the index alone). A
     replica sees only its own requests; in the simulator 4 replicas still gain from it."""
+    speed_spread: float = 1.0
+    """How far apart the engines' learned speeds (``router.engine_rates``) may set their prefill figures: each rank's
+    is the configured one times its learned seconds per token over the median rank's, within this factor either way
+    (1, the default: the configured figure for every rank). Off until the fit is trusted: on two real vLLM CPU
+    servers it read an engine another tenant slowed as 10x faster than its twin (the first token of a short prompt
+    there is mostly overhead and batch interference), and at 4 ``kv`` moved most documents onto one engine."""
     occupancy_weight: float = 0.5
     """Each block a placement adds to a rank pays this multiple of a block's prefill times the share of the rank's
     blocks then in use: room is worth more where little is left, so new prefixes spread over the cluster's caches
@@ -99,6 +106,8 @@ class KvCostModel:
         if type(self.allow_migration) is not bool:
             raise TypeError(f"allow_migration must be a bool, got {type(self.allow_migration).__name__}")
         check_nonneg_numbers(self, skip=("allow_migration",))
+        if self.speed_spread < 1:
+            raise ValueError(f"speed_spread must be >= 1 (1: learned speeds unused), got {self.speed_spread!r}")
         if self.prefill_s_per_token == 0:
             raise ValueError("prefill_s_per_token must be > 0: a free prefill makes every cache worthless")
 
@@ -120,7 +129,7 @@ class KvPolicy(ConfiguredPolicy):
         bs, n = request.tokens_per_block, len(request.tokens)
         empty = PrefixMatch(0, 0, 0)
         match = {s.rank: matches.get(s.rank, empty) for s in live}
-        prefill = _prefill_rates(live, c.prefill_s_per_token)
+        prefill = _prefill_rates(live, c.prefill_s_per_token, c.speed_spread)
         load = {s.rank: s.queued_prefill_tokens * prefill[s.rank]
                 + s.running_decode_blocks * c.decode_s_per_block for s in live}
         held = {r: max(m.matched_tokens, self._cache.recent_prefix(r, request.block_hashes, c.recent_requests) * bs)
@@ -168,19 +177,15 @@ class KvPolicy(ConfiguredPolicy):
         self._cache.forget(rank)
 
 
-#: How far apart learned speeds may set two ranks' prefill figures (a few noisy answers never make one free).
-SPEED_SPREAD = 4.0
-
-
-def _prefill_rates(live: Sequence[RankState], prior: float) -> dict[int, float]:
+def _prefill_rates(live: Sequence[RankState], prior: float, spread: float) -> dict[int, float]:
     """Each rank's seconds per prompt token: ``prior`` scaled by its learned speed relative to the median rank's,
-    once every live rank has one (``RankState.prefill_s_per_token``); until then ``prior`` for all, so that the
-    rank answering first does not look faster than the rest for want of their answers."""
+    within ``spread``, once every live rank has one (``RankState.prefill_s_per_token``); until then ``prior`` for
+    all, so that the rank answering first does not look faster than the rest for want of their answers."""
     learned = [s.prefill_s_per_token for s in live]
-    if len(live) < 2 or not all(learned):
+    if spread == 1 or len(live) < 2 or not all(learned):
         return {s.rank: prior for s in live}
     median = sorted(learned)[len(learned) // 2]
-    return {s.rank: prior * min(SPEED_SPREAD, max(1 / SPEED_SPREAD, s.prefill_s_per_token / median)) for s in live}
+    return {s.rank: prior * min(spread, max(1 / spread, s.prefill_s_per_token / median)) for s in live}
 
 
 class _Evictions:

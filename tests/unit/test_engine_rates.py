@@ -38,8 +38,9 @@ def test_streams_teach_the_decode_rate_and_whole_completions_use_it():
 
 def test_kv_sends_a_miss_to_the_engine_it_learned_is_slower_only_once_it_knows_every_engine():
     prompt = RouteRequest.of(list(range(100, 300)), 16, max_tokens=0)
-    cost = KvCostModel(prefill_s_per_token=5e-5)
+    cost = KvCostModel(prefill_s_per_token=5e-5, speed_spread=4)
     learned = [RankState(0, prefill_s_per_token=3e-4), RankState(1, queued_prefill_tokens=20, prefill_s_per_token=1e-4)]
+    assert KvPolicy(KvCostModel(prefill_s_per_token=5e-5)).route(prompt, learned, {}).rank == 0   # unused by default
     d = KvPolicy(cost).route(prompt, learned, {})
     # speeds relative to the median's (rank 0's here): rank 1 a third of the prior, rank 0 the prior
     assert d.rank == 1 and d.scores == pytest.approx({0: 200 * 5e-5, 1: (20 + 200) * 5e-5 / 3})
@@ -47,3 +48,17 @@ def test_kv_sends_a_miss_to_the_engine_it_learned_is_slower_only_once_it_knows_e
     assert KvPolicy(cost).route(prompt, half, {}).rank == 0   # rank 1 unknown yet: the prior for both
     with pytest.raises(ValueError, match="prefill_s_per_token"):
         RankState(0, prefill_s_per_token=-1.0)
+    with pytest.raises(ValueError, match="speed_spread must be >= 1"):
+        KvCostModel(speed_spread=0.5)
+
+
+def test_the_wait_the_router_queued_ahead_of_an_answer_is_not_read_as_slowness():
+    """Two engines as fast, one answering after the prompt tokens the router queued ahead of each request (0 to 720):
+    counted, both read 2e-5 s per token."""
+    rates = EngineRates()
+    for i in range(30):
+        computed, ahead = 50 + 40 * (i % 10), 120 * (i % 7)
+        rates.observe(0, computed, 1, 0.010 + computed * 2e-5, 0.05)
+        rates.observe(1, computed, 1, 0.010 + (computed + ahead) * 2e-5, 0.05, ahead_tokens=ahead)
+    assert rates.rate(0).prefill_s_per_token == pytest.approx(2e-5, rel=1e-6)
+    assert rates.rate(1).prefill_s_per_token == pytest.approx(2e-5, rel=1e-6)

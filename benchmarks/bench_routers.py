@@ -39,7 +39,6 @@ import dataclasses
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,7 +56,7 @@ from vllm_engines import VllmServer, start_bench_servers  # noqa: E402
 
 from kvledger.replay.bounds import static_split_cached_tokens  # noqa: E402
 from kvledger.replay.engine_totals import EngineTotals  # noqa: E402
-from kvledger.replay.peers import Peer, PeerRouter, event_endpoints, wait_serving  # noqa: E402
+from kvledger.replay.peers import Peer, PeerRouter, RouterProcess, event_endpoints  # noqa: E402
 from kvledger.replay.text_prompts import prompt_text  # noqa: E402
 from kvledger.replay.trace import Trace  # noqa: E402
 from kvledger.replay.workloads import WORKLOADS, WorkloadConfig, workload  # noqa: E402
@@ -124,39 +123,15 @@ def serve_kvledger(spec: dict) -> None:
     service.close()
 
 
-class KvledgerRouter:
-    """kvledger's router in a process of its own (``--serve-router``), as the peers run, stopped by closing its
-    stdin."""
+class KvledgerRouter(RouterProcess):
+    """kvledger's router in a process of its own (``--serve-router``), as the peers run; it stops when its stdin
+    closes."""
+
+    stdin_grace_s = 10.0
 
     def __init__(self, policy: str, servers: list[str], model: str) -> None:
-        self.name = f"kvledger {policy}"
         cmd = [sys.executable, __file__, "--serve-router", json.dumps({"policy": policy, "urls": servers})]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-router-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     start_new_session=True)
-        line = self.proc.stdout.readline()
-        if not line.strip().isdigit():
-            self.close()
-            raise RuntimeError(f"{self.name} did not start: {self.tail()}")
-        self.url = f"http://127.0.0.1:{int(line)}"
-        try:
-            wait_serving(self.url, self.proc, self.name, model, self.tail)
-        except BaseException:
-            self.close()
-            raise
-
-    def tail(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-2000:]
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(timeout=30)
+        super().__init__(f"kvledger {policy}", cmd, model, None)
 
 
 def start_router(name: str, servers: list[str], events: list[str], model: str) -> KvledgerRouter | PeerRouter:

@@ -1,8 +1,10 @@
 """``kvledger bench``: replay request traces through the real router and ledgers, every policy side by side.
 
-``config`` (what to replay), ``result`` (what came out), ``trace`` (Mooncake loader, synthetic generator), ``bounds`` (infinite-cache and
-pooled-LRU hit rates), ``simulator`` (the discrete-event replay), ``report``
-(table, JSON, PNG) and ``runner`` (all of it, policies in parallel processes).
+``config`` (what to replay), ``result`` (what came out), ``trace`` (Mooncake loader, synthetic generator),
+``workloads`` (the named ones), ``bounds`` (infinite-cache, pooled-LRU and static-split hit rates), ``simulator``
+(the discrete-event replay), ``tiny`` and ``vllm`` (over HTTP through a local cluster or vLLM servers), ``peers``
+(the routers people pick instead, beside ours), ``engine_totals`` (a server's own counters), ``text_prompts``,
+``report`` (table, JSON, PNG) and ``runner`` (all of it, policies in parallel processes).
 """
 from kvledger.replay.bounds import Bounds, compute_bounds
 from kvledger.replay.config import BenchConfig

@@ -80,9 +80,52 @@ def peer_venv() -> Path:
     return root / "bin"
 
 
-class PeerRouter:
-    """``peer`` serving on 127.0.0.1 in front of ``servers`` (``events``: each server's ZMQ KV-event endpoint, for
-    ``kv_aware``), ready once a one-token completion of ``model`` goes through."""
+class RouterProcess:
+    """A router serving on 127.0.0.1 in a process of its own session, ready once a one-token completion of ``model``
+    goes through; ``port``: where it serves (``None``: it prints its port as the first line of its stdout)."""
+
+    stdin_grace_s = 0.0
+    """How long ``close`` waits for it to exit on its stdin closing before it is terminated."""
+
+    def __init__(self, name: str, cmd: list[str], model: str, port: int | None) -> None:
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvledger-router-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE if port is None else self.log,
+                                     stderr=self.log, text=True, start_new_session=True)
+        try:
+            if port is None:
+                line = self.proc.stdout.readline() if self.proc.stdout else ""
+                if not line.strip().isdigit():
+                    raise RuntimeError(f"{name} did not start: {self.tail()}")
+                port = int(line)
+            self.url = f"http://127.0.0.1:{port}"
+            wait_serving(self.url, self.proc, name, model, self.tail)
+        except BaseException:
+            self.close()
+            raise
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-2000:]
+
+    def close(self) -> None:
+        """Stop it (its whole process group), then drop its log."""
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        for sig, wait_s in ((None, self.stdin_grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 30.0)):
+            if sig is not None and self.proc.poll() is None:
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+class PeerRouter(RouterProcess):
+    """``peer`` in front of ``servers`` (``events``: each server's ZMQ KV-event endpoint, for ``kv_aware``)."""
 
     def __init__(self, peer: Peer, servers: list[str], events: list[str], model: str, block_size: int) -> None:
         from kvledger.coordinator.router_actor import free_port   # Ray's import, only when a peer is run
@@ -96,31 +139,7 @@ class PeerRouter:
         if peer.policy == "kv_aware":
             cmd += [a for url, ep in zip(servers, events) for a in ("--kv-event-source", f"{url}={ep}")]
             cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvledger-peer-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-                                     start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
-        try:
-            wait_serving(self.url, self.proc, peer.name, model, self.tail)
-        except BaseException:
-            self.close()
-            raise
-
-    def tail(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-2000:]
-
-    def close(self) -> None:
-        """Stop it (its whole process group), then drop its log."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
+        super().__init__(peer.name, cmd, model, port)
 
 
 def wait_serving(url: str, proc: subprocess.Popen, name: str, model: str, tail: Callable[[], str]) -> None:
@@ -146,5 +165,5 @@ def event_endpoints(client: httpx.Client, urls: list[str]) -> list[str]:
     return [client.get(f"{u}/kv_event_sources").json()["0"]["endpoint"].replace("*", "127.0.0.1") for u in urls]
 
 
-__all__ = ["PEER_PINS", "PEER_POLICIES", "Peer", "PeerRouter", "cache_root", "event_endpoints", "parse_peers",
-           "peer_venv", "wait_serving"]
+__all__ = ["PEER_PINS", "PEER_POLICIES", "Peer", "PeerRouter", "RouterProcess", "cache_root", "event_endpoints",
+           "parse_peers", "peer_venv", "wait_serving"]

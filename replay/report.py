@@ -140,15 +140,17 @@ def render_table(bounds: Bounds, summaries: dict[str, PolicySummary], title: str
 
 def write_plot(path: str | Path, bounds: Bounds, summaries: dict[str, PolicySummary],
                runs: dict[str, PolicyRun], title: str, measured: bool = False) -> None:
-    """Hit rate (with both bounds) and TTFT percentiles per policy on top; per-rank load over time below
-    (``measured``: wall-clock time of a real replay, ``--engine tiny``, rather than simulated time)."""
+    """Hit rate (with both bounds) and TTFT percentiles per policy on top; per-rank load over time below, for the
+    runs that know it (``measured``: wall-clock time of a real replay, ``--engine tiny``, rather than simulated
+    time)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(summaries)
+    loaded = [n for n in names if runs[n].load_series]   # a peer router does not say which rank served a request
     cols = 4
-    rows = 1 + -(-len(names) // cols)
+    rows = 1 + -(-len(loaded) // cols)
     fig = plt.figure(figsize=(16, 4.2 * rows), constrained_layout=True)
     grid = fig.add_gridspec(rows, cols)
     fig.suptitle(title, fontsize=13)
@@ -175,7 +177,7 @@ def write_plot(path: str | Path, bounds: Bounds, summaries: dict[str, PolicySumm
     ax.set_title("TTFT (lower is better)")
     ax.legend(fontsize=8, ncol=4)
 
-    for k, name in enumerate(names):
+    for k, name in enumerate(loaded):
         run = runs[name]
         ax = fig.add_subplot(grid[1 + k // cols, k % cols])
         t = (np.arange(len(run.load_series[0])) + 0.5) * run.bucket_s if run.load_series else np.array([])

@@ -43,6 +43,9 @@ from kvledger.router.vllm_server import VllmServer
 METRICS_TIMEOUT_S = 30.0
 METRICS_SETTLE_S = 0.5
 """How long the servers' counters are given to take in a run's last answers."""
+WARM_PROMPTS = 8
+"""Trace prompts each server is sent before the first run (``warm_servers``)."""
+HTTP_WARM_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,11 +165,28 @@ class PeerPolicyReplay(VllmPolicyReplay):
         finally:
             router.close()
 
+    def run(self, progress: Callable[[int], None] | None = None) -> tuple[PolicyRun, dict[str, object]]:
+        replayed, extra = super().run(progress)
+        replayed.load_series = []   # no rank per request: only the servers' counters split the work
+        return replayed, extra
+
     def _answer(self, d: dict, sent: float, done: float) -> _Answer:
         u = d["usage"]
         prompt, cached = int(u["prompt_tokens"]), int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         return _Answer(True, "", -1, prompt, cached, prompt - cached, output=int(u["completion_tokens"]), sent=sent,
                        done=done)
+
+
+def warm_servers(urls: tuple[str, ...], model: str, prompts: list[list[int]] | list[str]) -> None:
+    """Send each server ``prompts`` directly, one at a time, before the first run: a CPU server's first prompts of a
+    length are slow (its kernels are set up per shape), and the first router measured must not pay for that alone.
+    The caches are reset before every run anyway."""
+    import httpx
+
+    with httpx.Client(timeout=HTTP_WARM_TIMEOUT_S) as client:
+        for url in urls:
+            for prompt in prompts:
+                client.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
 
 
 def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
@@ -197,6 +217,7 @@ def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     policies = config.policies
     if on_trace is not None:
         on_trace(trace, [*policies, *(p.name for p in peers)])
+    warm_servers(urls, facts.model, tokens[:WARM_PROMPTS])
     runs: dict[str, PolicyRun] = {}
     extras: dict[str, dict[str, object]] = {}
     for p in policies:

@@ -254,6 +254,10 @@ class ArrayIndex(FlatStore):
         k.set_all(b.rows, r.rows, self._pool, self._mtab, self._free, self._counts, bit, hs, vs)
 
 
+_WARM_BLOCKS = 5000
+_WARM_WIDE_RANK = 100
+
+
 @functools.cache
 def warm_kernels() -> None:
     """Compile (or load from the disk cache) every kernel now, on a throwaway store, so that no batch or probe
@@ -261,6 +265,10 @@ def warm_kernels() -> None:
     logger.info("compiling the index kernels (once; cached on disk)")
     store = ArrayIndex(1)
     store.apply(0, [BlockStored([1, 2], None, [], 1), BlockRemoved([3])])
+    many = list(range(10, 10 + _WARM_BLOCKS))   # past the first sizes: the tables' rehash and the masks' rebuild too
+    store.apply(0, [BlockStored(many, None, [], 1)])
+    store.apply(0, [BlockStored(many, None, [], 1)])   # a second ref each: the refs table grows
+    store.apply(_WARM_WIDE_RANK, [BlockStored(many, None, [], 1)])   # a rank past 64 bits: wider masks
     store.load_snapshot(1, [])
     store.match([1, 2], as_pair)
     store.held(0)

@@ -318,7 +318,7 @@ def main() -> None:
             urls = args.vllm or [s.url for s in servers]
             with httpx.Client(timeout=10.0) as c:
                 model = c.get(f"{urls[0]}/v1/models").json()["data"][0]["id"]
-                events = event_endpoints(c, urls)
+            events = event_endpoints(urls)
             modes = [("even", 0)] + ([("engine 0 slowed", args.slow_streams)] if args.slow else [])
             for mode, streams in modes:
                 results = [run(name, urls, events, model, trace, args.concurrency, streams) for name in routers]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from kvledger.router.vllm_server import VllmServer, VllmServerInfo
+
 PEER_PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 #: Each peer's policies that ``--peer NAME`` runs, in order; kvledger's ``kv`` is measured against them.
 PEER_POLICIES = {"sglang-router": ("cache_aware",), "vllm-router": ("kv_aware", "cache_aware", "round_robin")}
@@ -160,10 +162,24 @@ def wait_serving(url: str, proc: subprocess.Popen, name: str, model: str, tail: 
     raise TimeoutError(f"{name} not serving after {START_TIMEOUT_S:g} s: {tail()}")
 
 
-def event_endpoints(client: httpx.Client, urls: list[str]) -> list[str]:
-    """Each server's ZMQ KV-event endpoint as a subscriber on this machine reaches it (``GET /kv_event_sources``)."""
-    return [client.get(f"{u}/kv_event_sources").json()["0"]["endpoint"].replace("*", "127.0.0.1") for u in urls]
+def event_endpoints(urls: list[str]) -> list[str]:
+    """Each server's ZMQ KV-event endpoint as a subscriber on this machine reaches it, as the router finds it
+    (``VllmServer.discover``; ``""`` for a server that publishes none)."""
+    out = []
+    for url in urls:
+        server = VllmServer(url)
+        try:
+            out.append(event_endpoint(server.discover()))
+        finally:
+            server.close()
+    return out
+
+
+def event_endpoint(info: VllmServerInfo) -> str:
+    """Data-parallel rank 0's KV-event endpoint of a discovered server (``""``: it publishes none)."""
+    source = info.events.get(0)
+    return "" if source is None else source.endpoint
 
 
 __all__ = ["PEER_PINS", "PEER_POLICIES", "Peer", "PeerRouter", "RouterProcess", "cache_root", "event_endpoints",
-           "parse_peers", "peer_venv", "wait_serving"]
+           "event_endpoint", "parse_peers", "peer_venv", "wait_serving"]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from kvledger.replay.bounds import compute_bounds, static_split_cached_tokens
 from kvledger.replay.config import START_TIMEOUT_S, BenchConfig
 from kvledger.replay.engine_totals import EngineTotals
-from kvledger.replay.peers import Peer, PeerRouter, event_endpoints, parse_peers
+from kvledger.replay.peers import Peer, PeerRouter, event_endpoint, parse_peers
 from kvledger.replay.report import summarize
 from kvledger.replay.result import BenchResult
 from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
@@ -59,11 +59,13 @@ class ServerFacts:
     """The smallest of the servers' (each is indexed at its own; the bounds are computed at this one)."""
     num_blocks: tuple[int, ...] = ()
     """Each server's KV blocks (``num_gpu_blocks``; 0 where it reports none)."""
+    event_endpoints: tuple[str, ...] = ()
+    """Each server's KV-event endpoint as a subscriber here reaches it (``replay.peers.event_endpoint``)."""
 
 
 def server_facts(urls: tuple[str, ...]) -> ServerFacts:
     """Ask each server (``VllmServer.discover``); a ``ValueError`` names what they disagree on or lack."""
-    facts, blocks = [], []
+    facts, blocks, events = [], [], []
     for i, url in enumerate(urls):
         engines = VllmEngine.connect_all(FOREIGN_RANK_BASE + i, url)   # a data-parallel server's cores agree
         try:
@@ -81,12 +83,15 @@ def server_facts(urls: tuple[str, ...]) -> ServerFacts:
                 engine.close()
         server = VllmServer(url)
         try:
-            blocks.append(server.discover().num_blocks or 0)
+            found = server.discover()
         finally:
             server.close()
+        blocks.append(found.num_blocks or 0)
+        events.append(event_endpoint(found))
     if len({(f.model, f.max_model_len, f.vocab_size) for f in facts}) > 1:
         raise ValueError(f"the vLLM servers serve different models (model, length or vocabulary): {facts}")
-    return dataclasses.replace(facts[0], block_size=min(f.block_size for f in facts), num_blocks=tuple(blocks))
+    return dataclasses.replace(facts[0], block_size=min(f.block_size for f in facts), num_blocks=tuple(blocks),
+                               event_endpoints=tuple(events))
 
 
 class VllmPolicyReplay(PolicyReplay):
@@ -223,14 +228,9 @@ def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     for p in policies:
         replay = VllmPolicyReplay(trace, tokens, p, sim, fitted, f"kvledger-bench-vllm-{p}", urls, facts.model)
         runs[p], extras[p] = replay.run((lambda k, p=p: progress(p, k)) if progress else None)
-    if peers:
-        import httpx
-        with httpx.Client(timeout=METRICS_TIMEOUT_S) as client:
-            events = event_endpoints(client, list(urls))
-        for peer in peers:
-            replay = PeerPolicyReplay(trace, tokens, peer, sim, fitted, urls, facts.model, events)
-            runs[peer.name], extras[peer.name] = replay.run(
-                (lambda k, n=peer.name: progress(n, k)) if progress else None)
+    for peer in peers:
+        replay = PeerPolicyReplay(trace, tokens, peer, sim, fitted, urls, facts.model, list(facts.event_endpoints))
+        runs[peer.name], extras[peer.name] = replay.run((lambda k, n=peer.name: progress(n, k)) if progress else None)
     summaries = {p: summarize(r, bounds, ranks) for p, r in runs.items()}
     capacities = list(facts.num_blocks) if all(facts.num_blocks) else []
     split = static_split_cached_tokens(chains, [r.input_length for r in trace.requests], tpb,

@@ -65,6 +65,12 @@ class ClusterConfig:
     ``max_utilization`` (the next step's; more run at once, the latest admitted pauses when a step is short)."""
     num_speculative_tokens: int = BatchingConfig().num_speculative_tokens
     """Draft tokens each decode step proposes by prompt lookup and the model checks (0: none)."""
+    prefill_ranks: int = 0
+    """Of the ranks, the first this many only prefill: the router computes long prompts there and moves their
+    KV to the others, which decode (``kvledger.router.disaggregation``). 0: every rank serves whole requests."""
+    decode_ranks: int | None = None
+    """The ranks that serve whole requests and decode split ones: the rest (``None``), or this many, which
+    must be the rest (``kvledger up --prefill-ranks N --decode-ranks M`` starts N + M ranks)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 0:
@@ -79,6 +85,12 @@ class ClusterConfig:
                              f"got {self.gpu_memory_fraction!r}")
         if not self.num_cpus_per_rank > 0:
             raise ValueError(f"ClusterConfig.num_cpus_per_rank must be > 0, got {self.num_cpus_per_rank!r}")
+        if type(self.prefill_ranks) is not int or not 0 <= self.prefill_ranks < max(self.num_ranks, 1):
+            raise ValueError(f"ClusterConfig.prefill_ranks must be an int in 0..num_ranks-1 (a decode rank at "
+                             f"least), got {self.prefill_ranks!r} of {self.num_ranks} ranks")
+        if self.decode_ranks is not None and self.prefill_ranks + self.decode_ranks != self.num_ranks:
+            raise ValueError(f"ClusterConfig: {self.prefill_ranks} prefill ranks and {self.decode_ranks} decode "
+                             f"ranks make {self.prefill_ranks + self.decode_ranks}, not num_ranks={self.num_ranks}")
         if self.placement_strategy not in ("auto", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"unknown placement strategy {self.placement_strategy!r}")
         if not self.group_timeout_s > 0 or not self.call_timeout_s > 0:

@@ -187,6 +187,8 @@ def run_bench(args: argparse.Namespace) -> int:
             if e["failed"] or e["inconsistent"]:
                 print(f"{name}: {e['failed']} request(s) failed, {e['inconsistent']} with cached + computed != "
                       f"prompt tokens; first errors: {e['errors']}", file=sys.stderr)
+    if result.engine == "tiny" and config.tiny.prefill_ranks:
+        print("\n".join(report.phase_lines(result.extra["tiny"]["policies"])))  # type: ignore[index, arg-type]
     if result.engine == "vllm":
         print(report.peer_goals(result.summaries, result.extra["vllm"]))  # type: ignore[arg-type]
     if outputs.json:

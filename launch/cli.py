@@ -91,7 +91,7 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
                     "attention_windows": Converter(parse_window, lambda w: "full" if w is None else str(w),
                                                    "TOKENS|full")})
     router = add_dataclass_flags(
-        p, RouterConfig(), title="router", exclude=("tokens_per_block", "policy_options"),
+        p, RouterConfig(), title="router", exclude=("tokens_per_block", "policy_options", "prefill_rank_ids"),
         rename={"seed": "router-seed"}, converters={"policy": Converter.choice({n: n for n in policy_names()})})
     policies = {name: add_dataclass_flags(p, config_type(), title=f"{name} policy (with --policy {name})",
                                           prefix=name)
@@ -116,8 +116,11 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
 
     def options(args: argparse.Namespace) -> UpOptions:
         cache_budgets, cluster_budgets = _given_budgets_win(cache.given(args), cluster.given(args))
+        roles = cluster.given(args)
+        ranks = ({"num_ranks": roles.get("prefill_ranks", 0) + roles["decode_ranks"]}   # --prefill-ranks N
+                 if "decode_ranks" in roles and "num_ranks" not in roles else {})         # --decode-ranks M: N + M
         cluster_config = cluster.build(args, p, cache=cache.build(args, p, **cache_budgets), **cluster_budgets,
-                                       detached=args.address is not None or args.workload is None)
+                                       **ranks, detached=args.address is not None or args.workload is None)
         chosen = router.given(args).get("policy", router.default.policy)
         router_config = router.build(args, p, policy_options=policy_options(args, chosen))
         http_config = http.build(args, p, router=router_config)

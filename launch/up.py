@@ -83,6 +83,9 @@ def _start_routers(cluster, config: RouterActorConfig, detached: bool, out: Call
     Keep the handles while the routers are wanted: Ray ends a non-detached actor once no handle to it is left.
     """
     from kvledger.coordinator.router_actor import ROUTER_NAME, router_name, start_routers
+
+    roles = tuple(range(cluster.config.prefill_ranks))   # the router's own roles come from the cluster's
+    config = dataclasses.replace(config, router=dataclasses.replace(config.router, prefill_rank_ids=roles))
     try:
         return start_routers(cluster, config, name=ROUTER_NAME, detached=detached)
     except Exception as e:  # the ranks stay usable from Python; say why the HTTP API is missing
@@ -147,7 +150,7 @@ def up(options: UpOptions, out: Callable[[str], None] = print) -> int:
         pids = descendants(os.getpid(), depth=1) if address is None else []
         state = ClusterState(address=ray.get_runtime_context().gcs_address,
                              namespace=config.namespace, name_prefix=config.name_prefix,
-                             num_ranks=config.num_ranks, device=cluster.device,
+                             num_ranks=config.num_ranks, prefill_ranks=config.prefill_ranks, device=cluster.device,
                              block_counts=None if cluster.block_counts is None else list(cluster.block_counts),
                              owner_pid=os.getpid(),
                              owner_start=start_time(os.getpid()), started_ray=address is None,
@@ -291,6 +294,8 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
     st["router_url"] = state.router_url
     st["routers"] = _routers_view(state)
     st["router"] = _router_view(state.router_url)
+    for r in st["ranks"]:
+        r["role"] = "prefill" if r["rank"] < state.prefill_ranks else "serve"
     if as_json:
         out(json.dumps(st, indent=2, default=str))
         return 0
@@ -304,12 +309,13 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
         + (f"{len(state.router_urls)} router(s)" if state.router_urls else "router not running"))
     for r in st["routers"]:
         out(f"router {r['index']}: {r['url']} {r['state']} (actor {r['name']})")
-    out(f"{'rank':>4} {'alive':>5} {'device':>7} {'in use':>7} {'free':>7} {'host in use':>11} {'served':>6}")
+    out(f"{'rank':>4} {'role':>7} {'alive':>5} {'device':>7} {'in use':>7} {'free':>7} {'host in use':>11} "
+        f"{'served':>6}")
     for r in st["ranks"]:
         if not r["alive"]:
-            out(f"{r['rank']:>4} {'no':>5}")
+            out(f"{r['rank']:>4} {r['role']:>7} {'no':>5}")
             continue
-        out(f"{r['rank']:>4} {'yes':>5} {r.get('device', '-'):>7} {r.get('device_blocks_used', '-'):>7} "
+        out(f"{r['rank']:>4} {r['role']:>7} {'yes':>5} {r.get('device', '-'):>7} {r.get('device_blocks_used', '-'):>7} "
             f"{r.get('device_blocks_free', '-'):>7} {r.get('host_blocks_used', '-'):>11} {r['served_requests']:>6}")
         if len(r.get("windows", ())) > 1:   # in use and free above sum pools that no request can pool
             out("     pools: " + "; ".join(f"window {w['window'] or 'full'}: {w['device']} device, {w['host']} host"

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvledger.replay.simulator import SimCosts
 from kvledger.replay.peers import parse_peers
@@ -42,8 +43,21 @@ class TinyOptions:
     """Seconds one completion may take before it counts as failed."""
     num_cpus_per_rank: float = 0.5
     """Ray CPUs each rank actor of the tiny cluster takes."""
+    prefill_ranks: int = 0
+    """``engine="tiny"``: each policy runs twice on the same ``ranks``, whole and then with the first this many
+    only prefilling (``kvledger up --prefill-ranks``), its row named ``<policy> P/D N:M``; 0: whole only."""
+    split_mode: Literal["cost", "always"] = "cost"
+    """With ``prefill_ranks``: when the router splits a request (``RouterConfig.split_mode``)."""
+    min_split_tokens: int = 256
+    """With ``prefill_ranks``: uncached prompt tokens below which a request is served whole."""
 
     def __post_init__(self) -> None:
+        if type(self.prefill_ranks) is not int or self.prefill_ranks < 0:
+            raise ValueError(f"prefill_ranks must be an int >= 0, got {self.prefill_ranks!r}")
+        if self.split_mode not in ("cost", "always"):
+            raise ValueError(f"split_mode must be 'cost' or 'always', got {self.split_mode!r}")
+        if type(self.min_split_tokens) is not int or self.min_split_tokens < 1:
+            raise ValueError(f"min_split_tokens must be an int >= 1, got {self.min_split_tokens!r}")
         for name in ("max_input_tokens", "concurrency"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
@@ -146,6 +160,9 @@ class BenchConfig:
             raise ValueError(f"--jobs must be an int >= 0, got {self.jobs!r}")
         if self.tokens_per_block is not None and (type(self.tokens_per_block) is not int or self.tokens_per_block < 1):
             raise ValueError(f"--tokens-per-block must be a positive int, got {self.tokens_per_block!r}")
+        if self.tiny.prefill_ranks and (self.engine != "tiny" or self.tiny.prefill_ranks >= self.ranks):
+            raise ValueError(f"--prefill-ranks {self.tiny.prefill_ranks} splits --engine tiny's own ranks, leaving "
+                             f"a decode rank at least: it needs --engine tiny and --ranks above it")
         if self.routers > 1 and self.engine != "sim":
             raise ValueError(f"--routers {self.routers} is measured in the simulator (--engine sim); "
                              f"--engine {self.engine} replays through one router")

@@ -104,6 +104,31 @@ def peer_goals(summaries: dict[str, PolicySummary], vllm: dict[str, object]) -> 
     return "\n".join(lines)
 
 
+def phase_lines(policies: dict[str, dict]) -> list[str]:
+    """``kvledger bench --engine tiny --prefill-ranks N``: each run's phases (``tiny.PolicyReplay._phases``), then
+    each split run against the same policy served whole on the same ranks, as ratios."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1000 * v:.1f} ms"
+
+    phases = {name: e["phases"] for name, e in policies.items()}
+    lines = [f"{name}: split {ph['split_requests']} requests, TTFT p50 {ms(ph['ttft_p50_s'])} p99 "
+             f"{ms(ph['ttft_p99_s'])}, inter-token p50 {ms(ph['itl_p50_s'])} p99 {ms(ph['itl_p99_s'])}, "
+             f"{ph['output_tokens_per_s']} output tokens/s, {ph['bytes_moved'] / 2**20:.1f} MiB moved"
+             for name, ph in phases.items()]
+    for name, ph in phases.items():
+        base = phases.get(name.split(" P/D ")[0])
+        if " P/D " not in name or base is None:
+            continue
+
+        def ratio(key: str) -> str:
+            a, b = ph[key], base[key]
+            return f"{a / b:.3f}" if a is not None and b else "-"
+
+        lines.append(f"{name} / whole: inter-token p99 {ratio('itl_p99_s')} (goal < 1), p50 {ratio('itl_p50_s')}, "
+                     f"TTFT p99 {ratio('ttft_p99_s')}, throughput {ratio('output_tokens_per_s')} (goal >= 1)")
+    return lines
+
+
 def write_json(path: str | Path, doc: dict[str, object]) -> None:
     Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False, default=_nan_free) + "\n")
 

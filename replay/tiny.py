@@ -114,6 +114,14 @@ class _Answer:
     """Cached tokens the router's index predicted on the rank it chose."""
     shed: bool = False
     """The router answered 429: no room for it then (it is not sent again)."""
+    first_token_s: float | None = None
+    """From the router's dispatch to the first token (``kvledger.phases``: prefill, transfer, the decode rank's
+    queue and first step)."""
+    inter_token_s: tuple[float, ...] = ()
+    transferred: int = 0
+    """Blocks moved to the decoding rank before it served the request (a split's, or a migration's)."""
+    split: bool = False
+    """Prefilled on a prefill rank apart."""
 
 
 def _union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -154,9 +162,11 @@ class PolicyReplay:
     """Fields every request carries besides the trace's (a server's model name)."""
 
     def __init__(self, trace: Trace, tokens: list[list[int]] | list[str], policy: str, sim: SimConfig,
-                 options: TinyOptions, name: str) -> None:
+                 options: TinyOptions, name: str, prefill_ranks: int = 0) -> None:
         self.trace, self.tokens, self.policy, self.sim, self.options, self.name = (trace, tokens, policy, sim,
                                                                                    options, name)
+        self.prefill_ranks = prefill_ranks
+        """The first this many ranks only prefill (``TinyOptions.prefill_ranks``); 0: every rank serves whole."""
 
     def router_config(self):  # type: ignore[no-untyped-def]
         """The router actor's settings for this policy: the ledgers' block size, the replay's seed, and
@@ -164,26 +174,35 @@ class PolicyReplay:
         from kvledger.coordinator.router_actor import RouterActorConfig
         from kvledger.router.config import RouterConfig
 
-        s = self.sim
+        s, o = self.sim, self.options
         return RouterActorConfig(host="127.0.0.1", port=0, router=RouterConfig(
             tokens_per_block=s.tokens_per_block, policy=self.policy, seed=s.seed,
-            policy_options=migration_options(self.policy, s.migration)))
+            policy_options=migration_options(self.policy, s.migration),
+            prefill_rank_ids=tuple(range(self.prefill_ranks)), split_mode=o.split_mode,
+            min_split_tokens=o.min_split_tokens))
 
-    def _start(self):  # type: ignore[no-untyped-def]
+    def cache(self):  # type: ignore[no-untyped-def]
+        """Each rank's ledger: the reference model's geometry, the replay's share of blocks."""
         import torch
 
-        from kvledger.coordinator.cluster import Cluster
-        from kvledger.coordinator.config import ClusterConfig
-        from kvledger.coordinator.router_actor import start_router
         from kvledger.worker.ledger import CacheConfig
 
         s = self.sim
-        cache = CacheConfig(tokens_per_block=s.tokens_per_block, num_layers=2, num_kv_heads=2, head_dim=32,
-                            dtype=torch.float32, device="cpu", num_primary_blocks=s.capacity_blocks // s.ranks,
-                            num_secondary_blocks=s.host_blocks // s.ranks, enable_partial_reuse=s.partial_reuse)
+        return CacheConfig(tokens_per_block=s.tokens_per_block, num_layers=2, num_kv_heads=2, head_dim=32,
+                           dtype=torch.float32, device="cpu", num_primary_blocks=s.capacity_blocks // s.ranks,
+                           num_secondary_blocks=s.host_blocks // s.ranks, enable_partial_reuse=s.partial_reuse)
+
+    def _start(self):  # type: ignore[no-untyped-def]
+        from kvledger.coordinator.cluster import Cluster
+        from kvledger.coordinator.config import ClusterConfig
+        from kvledger.coordinator.router_actor import start_router
+
+        s = self.sim
+        cache = self.cache()
         cfg = ClusterConfig(num_ranks=s.ranks, device="cpu", cache=cache,
                             num_cpus_per_rank=self.options.num_cpus_per_rank, name_prefix=self.name,
-                            group_timeout_s=60, call_timeout_s=START_TIMEOUT_S, seed=s.seed)
+                            group_timeout_s=60, call_timeout_s=START_TIMEOUT_S, seed=s.seed,
+                            prefill_ranks=self.prefill_ranks)
         cluster = Cluster.start(cfg)
         try:
             handle, url = start_router(cluster, self.router_config(), name=f"{self.name}-router",
@@ -265,10 +284,13 @@ class PolicyReplay:
         """One answer's figures: the usage, and what kvledger's router adds (the rank, its computed, onboarded and
         migrated figures, the cached tokens its index predicted)."""
         u, k = d["usage"], d["kvledger"]
+        ph = k.get("phases") or {}
         return _Answer(True, "", int(k["rank"]) - self.rank_base, int(u["prompt_tokens"]),
                        int(u["prompt_tokens_details"]["cached_tokens"]), int(k["computed_tokens"]),
                        int(k["onboarded_blocks"]), int(k["migrated_blocks"]), int(u["completion_tokens"]),
-                       sent, done, int(k["predicted_cached_tokens"]))
+                       sent, done, int(k["predicted_cached_tokens"]), first_token_s=ph.get("first_token_s"),
+                       inter_token_s=tuple(ph.get("inter_token_s") or ()),
+                       transferred=int(ph.get("transferred_blocks") or 0), split=ph.get("prefill_rank") is not None)
 
     def _result(self, answers: list[_Answer], arrivals: np.ndarray, startup_s: float, replay_s: float,
                 wall_s: float) -> tuple[PolicyRun, dict[str, object]]:
@@ -298,8 +320,26 @@ class PolicyReplay:
             "computed_tokens_per_rank": [int(computed[rank == r].sum()) for r in range(ranks)],
             "send_lag_max_s": round(max(lags, default=0.0), 4), "startup_s": round(startup_s, 2),
             "replay_s": round(replay_s, 2), "predicted_cached_tokens": sum(a.predicted for a in A),
-            "delivered_cached_tokens": int(cached.sum())}
+            "delivered_cached_tokens": int(cached.sum()), "phases": self._phases(A, makespan)}
         return run, extra
+
+    def _phases(self, A: list[_Answer], makespan: float) -> dict[str, object]:
+        """The answers' phases (own ranks time their tokens): first token and inter-token latency p50/p99, output
+        tokens per second over the replay, requests split, bytes moved to decoding ranks."""
+        ttft = [a.first_token_s for a in A if a.first_token_s is not None]
+        itl = [g for a in A for g in a.inter_token_s]
+
+        def pct(xs: list[float], q: float) -> float | None:
+            return round(float(np.percentile(xs, q)), 5) if xs else None
+
+        return {"prefill_ranks": self.prefill_ranks, "split_requests": sum(a.split for a in A),
+                "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50),
+                "itl_p99_s": pct(itl, 99), "output_tokens_per_s": round(sum(a.output for a in A) / makespan, 2)
+                if makespan > 0 else None, "bytes_moved": sum(a.transferred for a in A) * self.block_bytes()}
+
+    def block_bytes(self) -> int:
+        """Bytes of one block's KV on these ranks."""
+        return self.cache().bytes_per_block
 
 
 # --- all policies -----------------------------------------------------------------------------------
@@ -330,9 +370,12 @@ def run_tiny(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb,
                             sim.capacity_blocks + sim.host_blocks)
     tokens = [tiny_tokens(trace, r) for r in trace.requests]
-    policies = config.policies
+    split = options.prefill_ranks
+    runs_of = [(p, p, 0) for p in config.policies]
+    if split:   # each policy again, its first ranks only prefilling
+        runs_of += [(f"{p} P/D {split}:{ranks - split}", p, split) for p in config.policies]
     if on_trace is not None:
-        on_trace(trace, policies)
+        on_trace(trace, [name for name, _, _ in runs_of])
 
     import ray
     started_ray = False
@@ -343,10 +386,11 @@ def run_tiny(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     runs: dict[str, PolicyRun] = {}
     extras: dict[str, dict[str, object]] = {}
     try:
-        for p in policies:
-            name = f"kvledger-bench-{os.getpid()}-{p.replace('_', '-')}"
-            replay = PolicyReplay(trace, tokens, p, sim, options, name)
-            runs[p], extras[p] = replay.run((lambda k, p=p: progress(p, k)) if progress else None)
+        for i, (label, p, prefill) in enumerate(runs_of):
+            name = f"kvledger-bench-{os.getpid()}-{i}-{p.replace('_', '-')}"
+            replay = PolicyReplay(trace, tokens, p, sim, options, name, prefill)
+            run, extras[label] = replay.run((lambda k, label=label: progress(label, k)) if progress else None)
+            runs[label] = dataclasses.replace(run, policy=label)
     finally:
         if started_ray:
             ray.shutdown()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvledger.router.admission import DISCIPLINES
+from kvledger.router.disaggregation import SplitConfig
 from kvledger.router.policies import DEFAULT_POLICY, RoutingPolicy, make_policy
 
 
@@ -61,6 +62,17 @@ class RouterConfig:
     session_priority: int = 60
     """Retention priority of a session's blocks on kvledger's own ranks (0..100, default traffic 35), so they
     outlive other traffic's in the LRU while its agent runs a tool; a client's ``priority`` wins."""
+    prefill_rank_ids: tuple[int, ...] = ()
+    """Own ranks that only prefill (``kvledger up --prefill-ranks``); the others serve whole requests and decode
+    split ones (``router.disaggregation``). Empty: every rank serves whole requests."""
+    split_mode: Literal["cost", "always"] = SplitConfig().mode
+    """With prefill ranks: ``cost`` splits a request when the estimate says it pays (``router.disaggregation``),
+    ``always`` every request of ``min_split_tokens`` uncached tokens or more."""
+    min_split_tokens: int = SplitConfig().min_split_tokens
+    """With prefill ranks: uncached prompt tokens below which a request is served whole, never split."""
+    split_interference: float = SplitConfig().interference_weight
+    """With prefill ranks: seconds of stall a prefill puts on each request decoding beside it, per second of the
+    prefill (what splitting saves the decodes)."""
 
     def __post_init__(self) -> None:
         if type(self.tokens_per_block) is not int or self.tokens_per_block <= 0:
@@ -91,7 +103,15 @@ class RouterConfig:
             raise ValueError(f"max_sessions must be an int >= 1, got {self.max_sessions!r}")
         if type(self.session_priority) is not int or not 0 <= self.session_priority <= 100:
             raise ValueError(f"session_priority must be an int in 0..100, got {self.session_priority!r}")
+        ids = self.prefill_rank_ids
+        if type(ids) is not tuple or any(type(r) is not int or r < 0 for r in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"prefill_rank_ids must be a tuple of distinct rank ids >= 0, got {ids!r}")
+        self.split_config()
         self.make_policy()   # an unknown policy or option fails here, naming it
+
+    def split_config(self) -> SplitConfig:
+        """When a request is split between a prefill rank and a decode rank (``router.disaggregation``)."""
+        return SplitConfig(self.split_mode, self.min_split_tokens, self.split_interference)
 
     def make_policy(self) -> RoutingPolicy:
         """A fresh policy of ``policy`` with ``policy_options`` and ``seed``."""

@@ -112,6 +112,9 @@ class Generated:
     cached_tokens: int
     """Prompt tokens whose KV the engine reused (its own count)."""
     onboarded_blocks: int = 0
+    token_times_s: list[float] | None = None
+    """Seconds from the engine taking the request to each of the first choice's tokens (``None``: the engine
+    does not say; kvledger's own ranks do)."""
 
 
 class Engine(Protocol):

@@ -163,11 +163,12 @@ class OwnEngine:
                                      choices[0].finish_reason, response_usage(len(job.tokens),
                                                                               len(first.output_tokens), cached),
                                      job.fields)
-            return Generated(answer, first.output_tokens, cached, first.onboarded_blocks)
+            return Generated(answer, first.output_tokens, cached, first.onboarded_blocks, first.token_times_s)
         answer = completion_answer(f"{'chatcmpl' if job.chat else 'cmpl'}-{job.request_id}", self._info.model,
                                    choices, usage(len(job.tokens), sum(len(o.output_tokens) for o in outcomes),
                                                   cached), job.chat)
-        return Generated(answer, first.output_tokens, cached, sum(o.onboarded_blocks for o in outcomes))
+        return Generated(answer, first.output_tokens, cached, sum(o.onboarded_blocks for o in outcomes),
+                         first.token_times_s)
 
     def _beams(self, job: Generation, request: Request) -> Generated:
         """A beam search's answer: a choice per beam, best first."""

@@ -17,6 +17,45 @@ class OverloadedError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class Phases:
+    """Where a generation's time went, phase by phase: the router's clock for the prefill and the transfer, the
+    decoding engine's for its tokens."""
+
+    prefill_rank: int | None
+    """The rank that prefilled it apart (``None``: served whole)."""
+    prefill_s: float
+    """Seconds of the prefill apart (0 when served whole: the decode rank's first token holds it)."""
+    transfer_s: float
+    """Seconds moving its blocks to the decode rank (a split's, or a migration's)."""
+    transferred_blocks: int
+    first_token_s: float | None
+    """From the router's dispatch to the first token: prefill, transfer, the decode rank's queue and first step
+    (``None``: the engine does not time its tokens)."""
+    inter_token_s: tuple[float, ...]
+    """Gaps between the first choice's tokens on the decode rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a generation goes, and what was done before it is sent there (``RouterService._place``)."""
+
+    decision: RouteDecision
+    migrated: int = 0
+    """Blocks moved to the decision's rank first (a migration's, or a split's transfer)."""
+    prefill_rank: int | None = None
+    """The rank its prompt was computed on apart (a split)."""
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+
+    def phases(self, token_times_s: list[float] | None) -> Phases:
+        """Its phases, given the decoding engine's token times (seconds from its taking the request)."""
+        times = token_times_s or []
+        first = self.prefill_s + self.transfer_s + times[0] if times else None
+        return Phases(self.prefill_rank, self.prefill_s, self.transfer_s, self.migrated, first,
+                      tuple(b - a for a, b in zip(times, times[1:])))
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionResult:
     """One served generation: where it ran, what the cache supplied, what it produced."""
 
@@ -39,6 +78,8 @@ class CompletionResult:
     model: str
     answer: dict
     """The engine's OpenAI answer, usage included."""
+    phases: Phases | None = None
+    """Its time phase by phase (``None`` for a stream, whose router-side timing its chunks carry)."""
 
 
 @dataclass(frozen=True, slots=True)

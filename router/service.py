@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvledger.router.admission import AdmissionGate, AdmissionRefused, Held
 from kvledger.router.config import RouterConfig
+from kvledger.router.disaggregation import SplitPlanner, TransferRate
 from kvledger.router.engine import Capability, Engine, Generated, Generation, cached_tokens_of
 from kvledger.router.engine_rates import EngineRates
 from kvledger.router.engines import EngineCannotError, Engines
@@ -47,7 +48,7 @@ from kvledger.router.report import ClusterReport
 from kvledger.router.reporting import cluster_report
 from kvledger.router.response_store import ResponseStore, UnknownResponseError
 from kvledger.router.routing import RouteStep
-from kvledger.router.served import CompletionResult, OverloadedError, RankProbe, Streamed
+from kvledger.router.served import CompletionResult, OverloadedError, Phases, Placement, RankProbe, Streamed
 from kvledger.router.sessions import Sessions, waits_on_tool
 from kvledger.router.tally import Tally
 from kvledger.router.tenants import OPEN, Caller
@@ -74,7 +75,10 @@ class RouterService:
         self.account = LoadAccount()
         self.admission = AdmissionGate(config.max_inflight_completions, config.max_queued_completions,
                                        config.queue_timeout_s, config.admission, clock)
-        self.step = RouteStep(self.policy, self.account)
+        split = config.split_config()
+        self.transfers = TransferRate(split.transfer_setup_s, split.transfer_s_per_block)
+        """Seconds per migration, fitted from those the router timed (``router.disaggregation``)."""
+        self.step = RouteStep(self.policy, self.account, SplitPlanner(split, self.transfers))
         self.tally = Tally()
         self.responses = ResponseStore(config.stored_responses)
         """The responses relayed, for follow-ups (``router.response_store``: the HTTP API keeps it)."""
@@ -206,7 +210,10 @@ class RouterService:
                 only: int | None = None) -> RouteDecision:
         serving = set(model.ranks)
         engines = self.engines.live_engines()
-        live = [r for r in engines if r not in exclude and r in serving and only in (None, r)]
+        prefill_only = set(self.config.prefill_rank_ids)
+        up = [r for r in engines if r not in exclude and r in serving]
+        live = [r for r in up if r not in prefill_only and only in (None, r)]
+        prefill = [r for r in up if r in prefill_only] if only is None else []
         if not live and only is not None:
             raise UnknownResponseError(f"the previous response was kept by rank {only}, which is gone (it died or "
                                        "left), and its responses with it; start the conversation again")
@@ -214,7 +221,7 @@ class RouterService:
             raise NoLiveRankError(f"no live rank serves {model.name}"
                                   + (f" (ranks {sorted(exclude)} died)" if exclude else ""))
         matches = self._match(req)
-        fixed = [r for r in live if not engines[r].info().can(Capability.MIGRATION)]
+        fixed = [r for r in (*live, *prefill) if not engines[r].info().can(Capability.MIGRATION)]
         with self._lock:
             blocks = {r: (load.device_blocks_used, load.device_blocks) for r, load in self._loads.items()}
             # every engine's own count (clients no replica saw), less what ended since it was asked
@@ -222,7 +229,7 @@ class RouterService:
                         .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
             onboard = {r: load.onboard_s_per_block for r, load in self._loads.items()}
             return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
-                                    self.sessions.blocks_by_rank(), self.rates.prefill(), onboard)
+                                    self.sessions.blocks_by_rank(), self.rates.prefill(), onboard, prefill)
 
     # ------------------------------------------------------------------ serving
 
@@ -313,9 +320,10 @@ class RouterService:
         died: set[int] = set()
         try:
             while True:
-                decision, migrated = self._place(req, model, died, only)
-                if decision is None:
+                placed = self._place(req, job, model, died, only)
+                if placed is None:
                     continue
+                decision, migrated = placed.decision, placed.migrated
                 rank = decision.rank
                 predicted = min(self._held(req, rank, decision) + migrated * self.config.tokens_per_block,
                                 len(req.tokens) - 1)
@@ -350,7 +358,8 @@ class RouterService:
                 if session is not None:
                     self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
                                          waits_on_tool(got.answer))
-                return self._result(job, got, rank, model.name, decision, predicted, migrated, len(died))
+                return self._result(job, got, rank, model.name, decision, predicted, migrated, len(died),
+                                    placed.phases(got.token_times_s))
         except OverloadedError:
             self.tally.shed()
             raise
@@ -365,12 +374,12 @@ class RouterService:
         return max(matched, session.held_tokens) if session is not None and session.rank == rank else matched
 
     def _result(self, job: Generation, got: Generated, rank: int, name: str, decision: RouteDecision,
-                predicted: int, migrated: int, retries: int) -> CompletionResult:
+                predicted: int, migrated: int, retries: int, phases: Phases) -> CompletionResult:
         prompt = len(job.tokens)
         self.tally.served(rank, prompt, predicted, got.cached_tokens, migrated)
         return CompletionResult(job.request_id, rank, got.output_tokens, prompt, got.cached_tokens,
                                 prompt - got.cached_tokens, got.onboarded_blocks, migrated, decision, retries,
-                                predicted, name, got.answer)
+                                predicted, name, got.answer, phases)
 
     def _relay(self, rank: int, predicted: int, migrated: int, req: RouteRequest, n: int, dispatch: Dispatch,
                first: dict | str, chunks: Iterator[dict | str], held: Held, session: str | None,
@@ -419,26 +428,81 @@ class RouterService:
         blocks = (len(req.tokens) + output) // self.feed.index.block_size(rank)
         self.sessions.served(session, rank, req, blocks, cached, tool)
 
-    def _place(self, req: RouteRequest, model: Model, died: set[int],
-               only: int | None) -> tuple[RouteDecision | None, int]:
-        """Decide, and migrate the prefix if the decision says so; ``(None, 0)``: a rank died, decide again."""
+    def _place(self, req: RouteRequest, job: Generation, model: Model, died: set[int],
+               only: int | None) -> Placement | None:
+        """Decide, and prefill apart or migrate the prefix if the decision says so; ``None``: a rank died, decide
+        again."""
         if len(died) > self.config.max_retries:
             raise NoLiveRankError(f"ranks {sorted(died)} died serving the request")
         decision = self._decide(req, model, frozenset(died), record=True, only=only)
+        if decision.split is not None:
+            return self._prefill_apart(req, job, decision, died)
         if decision.migrate_from is None:
-            return decision, 0
+            return Placement(decision)
+        t0 = time.perf_counter()
         try:
             # the whole prefix the source holds: the target shares what it has, receives the rest
-            return decision, self.engines.migrate(req.tokens, decision.migrate_from, decision.rank, None,
-                                                  req.lora_id, req.cache_salt)
+            moved = self.engines.migrate(req.tokens, decision.migrate_from, decision.rank, None, req.lora_id,
+                                         req.cache_salt)
         except RankDiedError as e:
             self._lost(e)
             died.add(e.rank)
-            return None, 0
+            return None
         except Exception:  # a failed transfer costs a recompute, never the request
             logger.exception("migration %d -> %d failed; rank %d computes the prefix instead",
                              decision.migrate_from, decision.rank, decision.rank)
-            return decision, 0
+            return Placement(decision)
+        seconds = time.perf_counter() - t0
+        self.transfers.observe(moved, seconds)
+        return Placement(decision, moved, transfer_s=seconds)
+
+    def _prefill_apart(self, req: RouteRequest, job: Generation, decision: RouteDecision,
+                       died: set[int]) -> Placement | None:
+        """A split: the prompt computed on the prefill rank (its blocks stored there), its full blocks moved to
+        the decode rank, which allocates them before any byte moves and stores them once written: its most
+        recently used blocks, the last its LRU evicts, which the decode request sent next reuses. They are not
+        pinned beyond: a pinned prefix whose request waits behind a queue head that needs those blocks stalls
+        the rank's FCFS queue (measured: requests timed out on the docs trace). Whatever fails costs a
+        recompute, never the request: a prefill rank that is full or dies leaves the request whole (on the
+        policy's rank, or the decode rank once the prompt is computed); a decode rank that dies has it decided
+        again."""
+        split = decision.split
+        p, d = split.prefill_rank, decision.rank
+        whole = Placement(dataclasses.replace(decision, rank=split.whole_rank, split=None))
+        prompt = dataclasses.replace(req, max_tokens=0)
+        dispatch = self._dispatch(prompt, p, decision.matched_tokens.get(p, 0))
+        state = decision.loads.get(p)
+        t0 = time.perf_counter()
+        try:
+            got = self.engines.engine(p).generate(dataclasses.replace(
+                job, request_id=job.request_id + job.n, max_tokens=0, n=1, fields={}, chat=False, responses=False))
+        except RankDiedError as e:
+            self._lost(e)
+            return whole
+        except (OutOfBlocksError, RankBusyError) as e:
+            logger.info("prefill rank %d has no room now (%s); rank %d serves the request whole", p, e,
+                        split.whole_rank)
+            return whole
+        finally:
+            self._finished(dispatch)
+        prefill_s = time.perf_counter() - t0
+        self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, prefill_s,
+                      state.queued_prefill_tokens if state is not None else 0)
+        t1 = time.perf_counter()
+        try:
+            moved = self.engines.migrate(req.tokens, p, d, None, req.lora_id, req.cache_salt)
+        except RankDiedError as e:
+            self._lost(e)
+            if e.rank == d:
+                died.add(d)
+                return None
+            return Placement(dataclasses.replace(decision, split=None))
+        except Exception:
+            logger.exception("transfer %d -> %d failed; rank %d computes the prompt instead", p, d, d)
+            return Placement(dataclasses.replace(decision, split=None))
+        transfer_s = time.perf_counter() - t1
+        self.transfers.observe(moved, transfer_s)
+        return Placement(decision, moved, p, prefill_s, transfer_s)
 
     def _dispatch(self, req: RouteRequest, rank: int, predicted: int) -> Dispatch:
         tpb = self.feed.index.block_size(rank)

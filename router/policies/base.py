@@ -142,6 +142,20 @@ class RouteRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Split:
+    """Prefill on ``prefill_rank``, then decode where the decision says (``router.disaggregation``), and the two
+    estimates, in seconds, the choice was made on."""
+
+    prefill_rank: int
+    whole_rank: int
+    """Where the policy would have served it whole (and where it goes if the prefill rank cannot take it)."""
+    split_s: float
+    """The prefill rank's queue and compute, the transfer of the prompt's full blocks, the decode rank's tail."""
+    whole_s: float
+    """Serving whole on the policy's rank: its queue, the prompt it lacks, the stall that puts on its decodes."""
+
+
+@dataclass(frozen=True, slots=True)
 class RouteDecision:
     """Where to serve a request, and the numbers behind the choice."""
 
@@ -158,6 +172,8 @@ class RouteDecision:
     loads: dict[int, RankState] = field(default_factory=dict)
     """The load each live rank was weighed with (set by ``RouteStep``): a decision explained, stale reports
     included."""
+    split: Split | None = None
+    """Prefill elsewhere first (set by ``RouteStep`` when the cluster has prefill ranks and splitting pays)."""
 
 
 class RoutingPolicy(abc.ABC):

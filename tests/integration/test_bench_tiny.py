@@ -126,3 +126,25 @@ def test_json_and_png_are_written(replayed, tmp_path):
         assert p["requests"] == REQUESTS
     assert doc["tiny"]["max_input_tokens"] == 1024 and doc["tiny"]["vocab_size"] == VOCAB_SIZE
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefill_ranks_replay_each_policy_split_beside_whole_on_the_same_ranks(ray_session, capsys):
+    """``--prefill-ranks 1``: kv whole, then kv with rank 0 only prefilling; every request answered, the split
+    ones decoded on rank 1 from moved blocks, each run's phases printed with the split one's ratios."""
+    rc = run_bench(parse("--engine", "tiny", "--trace", "docs", "--ranks", "2", "--prefill-ranks", "1",
+                         "--split-mode", "always", "--min-split-tokens", "64", "--policy", "kv", "--limit", "8",
+                         "--max-output-tokens", "4", "--quiet"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    split = re.search(r"kv P/D 1:1: split (\d+) requests, TTFT p50 [\d.]+ ms p99 [\d.]+ ms, inter-token p50 "
+                      r"[\d.]+ ms p99 [\d.]+ ms, [\d.]+ output tokens/s, ([\d.]+) MiB moved", out)
+    assert split is not None and int(split.group(1)) >= 7 and float(split.group(2)) > 0, out
+    assert re.search(r"kv: split 0 requests", out) and "kv P/D 1:1 / whole: inter-token p99 " in out, out
+    assert "failed" not in out, out
+
+
+def test_prefill_ranks_need_the_tiny_engine_and_a_decode_rank():
+    with pytest.raises(ValueError, match="--prefill-ranks 2 splits --engine tiny's own ranks"):
+        BenchConfig(engine="tiny", ranks=2, tiny=TinyOptions(prefill_ranks=2))
+    with pytest.raises(ValueError, match="it needs --engine tiny"):
+        BenchConfig(engine="sim", tiny=TinyOptions(prefill_ranks=1))

@@ -244,6 +244,15 @@ def test_no_router_and_address_and_workload(ran):
     assert options.workload == "bundled" and not options.cluster.detached
 
 
+def test_prefill_and_decode_ranks_make_the_cluster_and_the_split_flags_reach_the_router(ran):
+    _, options = ran("--prefill-ranks", "2", "--decode-ranks", "3", "--split-mode", "always",
+                     "--min-split-tokens", "64")
+    assert (options.cluster.num_ranks, options.cluster.prefill_ranks, options.cluster.decode_ranks) == (5, 2, 3)
+    assert options.router.router == RouterConfig(split_mode="always", min_split_tokens=64)
+    _, options = ran("--ranks", "3", "--prefill-ranks", "1")
+    assert (options.cluster.num_ranks, options.cluster.prefill_ranks) == (3, 1)
+
+
 def test_router_replicas_are_one_flag(ran):
     _, options = ran("--routers", "3", "--port", "9000")
     assert options.router == RouterActorConfig(port=9000, routers=3)
@@ -280,6 +289,10 @@ def test_detach_and_its_abbreviation_hand_the_options_to_the_detached_owner(ran,
     (["--no-router", "--port", "9"], "--no-router starts no router; drop --port"),
     (["--no-router", "--workload", "bundled"], "workload is sent through the router; drop --no-router"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--prefill-ranks", "2"], "prefill_ranks must be an int in 0..num_ranks-1 (a decode rank at least)"),
+    (["--ranks", "4", "--prefill-ranks", "1", "--decode-ranks", "2"],
+     "1 prefill ranks and 2 decode ranks make 3, not num_ranks=4"),
+    (["--split-mode", "sometimes"], "argument --split-mode: invalid choice"),
 ])
 def test_bad_input_exits_2_naming_the_flag(capsys, argv, message):
     err = refused(capsys, *argv)

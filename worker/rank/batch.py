@@ -20,8 +20,9 @@ inputs and block tables it is handed. A step is planned, then committed:
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +58,9 @@ class ServeResult:
     """Of those, the ones the model picked too: tokens gained over decoding one a step."""
     beams: BeamResult | None = None
     """A beam search's beams, best first."""
+    token_times: list[float] = field(default_factory=list)
+    """``time.monotonic()`` when each step's tokens of ``output_tokens`` were picked, one entry per token (a step
+    that accepts drafts emits several at once): what a client streaming them would see."""
 
 
 @dataclass(slots=True, eq=False)
@@ -249,6 +253,7 @@ class BatchDriver:
         """Store finished prompts, pick tokens, check drafts and choose beams, from the step's ``logits`` (``lens``
         tokens per input row, in ``StepPlan.inputs`` order)."""
         ends = torch.tensor(lens).cumsum(0).tolist()
+        now = time.monotonic()
         picking: list[tuple[RunningRequest, int]] = []
         for (r, _, end), row_end in zip(plan.chunks, ends):
             rid, n = r.request.request_id, len(r.request.tokens)
@@ -276,6 +281,7 @@ class BatchDriver:
                 if len(emitted) <= len(d.drafts):
                     manager.rewind(r.request.request_id, len(d.drafts) - len(emitted) + 1)
                 r.result.output_tokens += emitted
+                r.result.token_times += [now] * len(emitted)
                 r.result.drafted_tokens += len(d.drafts)
                 r.result.accepted_tokens += len(emitted) - 1
             else:
@@ -285,6 +291,7 @@ class BatchDriver:
                                   [r.request for r, _ in picking])
             for (r, _), t in zip(picking, picked):
                 r.result.output_tokens.append(t)
+                r.result.token_times.append(now)
 
     def _start_beams(self, manager: KVCacheManager, r: RunningRequest, prompt_logits: torch.Tensor) -> None:
         """A beam search's prompt is computed: its last, partly filled block's positions are written into every

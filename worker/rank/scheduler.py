@@ -124,7 +124,7 @@ class BatchCounts:
 class Ticket:
     """One caller's requests: done when every one is served, or at the first error."""
 
-    __slots__ = ("requests", "results", "steps", "left", "publish", "events", "error", "done")
+    __slots__ = ("requests", "results", "steps", "left", "publish", "events", "error", "done", "submitted")
 
     def __init__(self, requests: list[Request], publish: bool) -> None:
         self.requests = requests
@@ -136,6 +136,8 @@ class Ticket:
         self.events: PublishedBatch | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.submitted = time.monotonic()
+        """When the rank took the requests: their token times count from here."""
 
     def fail(self, error: BaseException) -> None:
         if self.error is None and not self.done.is_set():
@@ -162,6 +164,8 @@ class Served:
     results: list[ServeResult]
     steps: list[tuple[int, int]]
     events: PublishedBatch | None
+    submitted: float
+    """``time.monotonic()`` when the rank took them (``ServeResult.token_times`` count from it)."""
 
 
 class BatchScheduler:
@@ -195,7 +199,7 @@ class BatchScheduler:
                     raise RuntimeError(f"rank {self.books.rank}: the step loop ended with requests unserved")
         if ticket.error is not None:
             raise ticket.error
-        return Served([r for r in ticket.results if r is not None], ticket.steps, ticket.events)
+        return Served([r for r in ticket.results if r is not None], ticket.steps, ticket.events, ticket.submitted)
 
     def counts(self) -> BatchCounts:
         with self._cv:

@@ -40,8 +40,8 @@ class RankServer:
         reqs = [self._drafting(r) for r in requests]
         self.engine.check(self.books.ledger(), reqs)
         served = self.scheduler.serve(reqs, publish)
-        return ServeReply([self._outcome(r, logits, steps) for r, steps in zip(served.results, served.steps)],
-                          served.events)
+        return ServeReply([self._outcome(r, logits, steps, served.submitted)
+                           for r, steps in zip(served.results, served.steps)], served.events)
 
     def _drafting(self, r: Request) -> Request:
         """``r`` with the rank's draft tokens per step when it asks for none, and its windows' pools hold it
@@ -53,14 +53,15 @@ class RankServer:
         drafting = dataclasses.replace(r, num_draft_tokens=k)
         return drafting if self.books.ledger().could_hold(drafting) else r
 
-    def _outcome(self, res: ServeResult, logits: bool, steps: tuple[int, int]) -> ServeOutcome:
+    def _outcome(self, res: ServeResult, logits: bool, steps: tuple[int, int], submitted: float) -> ServeOutcome:
         lp, beams = res.logprobs, res.beams
         return ServeOutcome(res.request_id, self.books.rank, list(res.output_tokens), res.cached_tokens,
                             res.computed_tokens, res.onboarded_blocks,
                             res.last_logits.tolist() if logits else None,
                             None if lp is None else lp.chosen, None if lp is None else lp.top, *steps,
                             None if beams is None else beams.tokens, None if beams is None else beams.scores,
-                            res.drafted_tokens, res.accepted_tokens)
+                            res.drafted_tokens, res.accepted_tokens,
+                            None if beams is not None else [t - submitted for t in res.token_times])
 
     def probe(self, tokens: Sequence[int], lora_id: int | None = None, cache_salt: str | None = None) -> int:
         """Exact probe: tokens of ``tokens[:-1]`` this rank holds as full blocks (either tier)."""

@@ -43,6 +43,9 @@ class ServeOutcome:
     """Draft tokens the rank's steps checked for this request (prompt lookup)."""
     accepted_tokens: int = 0
     """Of those, the ones the model agreed with."""
+    token_times_s: list[float] | None = None
+    """Seconds from the rank taking the request to each output token (its queue wait included): the first is its
+    time to first token on the rank, the gaps its inter-token latency (``None``: not timed, a beam search's)."""
 
 
 class RankBusyError(RuntimeError):

@@ -39,6 +39,7 @@ the field, as vLLM answers an id it does not hold.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -492,6 +493,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         ranks = sorted(set(d.scores) | set(d.matched_tokens))
         return {"rank": d.rank, "policy": d.policy, "lower_is_better": d.lower_is_better,
                 "migrate_from": d.migrate_from, "migrate_blocks": d.migrate_blocks,
+                "split": None if d.split is None else dataclasses.asdict(d.split),
                 "ranks": [{"rank": r, "matched_tokens": d.matched_tokens.get(r, 0), "score": d.scores.get(r),
                            "load": _load_seen(d.loads.get(r))} for r in ranks]}
 

@@ -19,7 +19,7 @@ from kvledger.router.config import RouterConfig
 from kvledger.router.service import RouterService
 from kvledger.worker.ledger import CacheConfig
 from kvledger.worker.wire.request import Request, Sampling
-from tests.rank_fuzz import scratch_result
+from rank_fuzz import scratch_result
 
 T = 4
 TIMEOUT = 60

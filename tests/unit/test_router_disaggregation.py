@@ -17,7 +17,8 @@ from kvledger.router.probe import PrefixMatch
 from kvledger.router.service import RouterService
 from kvledger.worker.ledger.config import CacheConfig
 from kvledger.worker.wire.request import Request, Sampling
-from tests.rank_fuzz import scratch_result
+from rank_fuzz import scratch_result
+from router_helpers import over_http
 
 T = 4
 ATOL = 1e-4
@@ -137,3 +138,12 @@ def test_a_short_prompt_and_a_cached_one_are_served_whole(split_service):
     again = svc.complete(prompt + [3], max_tokens=2)
     assert first.decision.split is not None
     assert again.decision.split is None and again.rank == first.rank and again.cached_tokens == 60
+
+
+def test_the_route_endpoint_shows_the_split_and_both_estimates(split_service):
+    with over_http(split_service) as client:
+        d = client.post("/v1/route", json={"prompt": list(range(1, 80)), "max_tokens": 4}).json()
+        short = client.post("/v1/route", json={"prompt": [1, 2, 3], "max_tokens": 4}).json()
+    assert d["rank"] in (1, 2) and d["split"]["prefill_rank"] == 0 and d["split"]["whole_rank"] in (1, 2)
+    assert d["split"]["split_s"] > 0 and d["split"]["whole_s"] > 0
+    assert short["split"] is None

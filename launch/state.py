@@ -48,9 +48,9 @@ class ClusterState:
     router_urls: list[str] = field(default_factory=list)
     """The HTTP API of each router replica ``up`` started (none: no router), the first replica's first."""
     router_names: list[str] = field(default_factory=list)
+    """Names of the router actors (in ``namespace``), in the same order."""
     prefill_ranks: int = 0
     """The first this many ranks only prefill (``ClusterConfig.prefill_ranks``)."""
-    """Names of the router actors (in ``namespace``), in the same order."""
     ready: bool = False
     created: float = field(default_factory=time.time)
 

@@ -10,6 +10,7 @@ from typing import Literal
 
 from kvledger.replay.simulator import SimCosts
 from kvledger.replay.peers import parse_peers
+from kvledger.router.disaggregation import SplitConfig
 from kvledger.router.policies import policy_names
 
 #: Block size of the tiny cluster's ledgers when ``--tokens-per-block`` is not given.
@@ -46,18 +47,15 @@ class TinyOptions:
     prefill_ranks: int = 0
     """``engine="tiny"``: each policy runs twice on the same ``ranks``, whole and then with the first this many
     only prefilling (``kvledger up --prefill-ranks``), its row named ``<policy> P/D N:M``; 0: whole only."""
-    split_mode: Literal["cost", "always"] = "cost"
+    split_mode: Literal["cost", "always"] = SplitConfig().mode
     """With ``prefill_ranks``: when the router splits a request (``RouterConfig.split_mode``)."""
-    min_split_tokens: int = 256
+    min_split_tokens: int = SplitConfig().min_split_tokens
     """With ``prefill_ranks``: uncached prompt tokens below which a request is served whole."""
 
     def __post_init__(self) -> None:
         if type(self.prefill_ranks) is not int or self.prefill_ranks < 0:
             raise ValueError(f"prefill_ranks must be an int >= 0, got {self.prefill_ranks!r}")
-        if self.split_mode not in ("cost", "always"):
-            raise ValueError(f"split_mode must be 'cost' or 'always', got {self.split_mode!r}")
-        if type(self.min_split_tokens) is not int or self.min_split_tokens < 1:
-            raise ValueError(f"min_split_tokens must be an int >= 1, got {self.min_split_tokens!r}")
+        SplitConfig(self.split_mode, self.min_split_tokens)   # the router's own checks, naming the field
         for name in ("max_input_tokens", "concurrency"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:

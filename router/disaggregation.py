@@ -1,6 +1,6 @@
 """Prefill apart from decode on own ranks: when a request is worth splitting, and what a split costs.
 
-Some of a cluster's ranks may only prefill (``RouterConfig.prefill_ranks``): they compute prompts and never
+Some of a cluster's ranks may only prefill (``RouterConfig.prefill_rank_ids``): they compute prompts and never
 decode. The others serve whole requests, as in a cluster without roles, and decode the split ones. For each
 request the router weighs two ways (``SplitPlanner.plan``), in seconds:
 
@@ -130,8 +130,9 @@ class SplitPlanner:
         if lacks < c.min_split_tokens or full == 0:
             return decision
         whole_s = self._compute(whole, lacks, rate(whole.rank))
-        p = min(prefill, key=lambda s: ((s.queued_prefill_tokens + n - held(s.rank)) * rate(s.rank), s.rank))
-        prefill_s = (p.queued_prefill_tokens + n - held(p.rank)) * rate(p.rank)
+        prefill_cost = {s.rank: (s.queued_prefill_tokens + n - held(s.rank)) * rate(s.rank) for s in prefill}
+        p = min(prefill, key=lambda s: (prefill_cost[s.rank], s.rank))
+        prefill_s = prefill_cost[p.rank]
         need = -(-(n + request.max_tokens) // bs)
         roomy = [s for s in serving.values() if _room(s) >= need - held(s.rank) // bs] or list(serving.values())
         d = min(roomy, key=lambda s: (s.inflight_requests, s.dispatched_blocks, -held(s.rank), s.rank))

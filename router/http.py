@@ -67,7 +67,7 @@ from kvledger.router.openai_types import ChatBody, CompletionBody, ProbeBody, Re
 from kvledger.router.policies import NoLiveRankError, RankState
 from kvledger.router.response_store import StoredResponse, UnknownResponseError
 from kvledger.router.responses import input_messages, sse_event, template_fields
-from kvledger.router.served import CompletionResult, OverloadedError, Phases, Streamed
+from kvledger.router.served import CompletionResult, OverloadedError, Streamed
 from kvledger.router.service import RouterService
 from kvledger.router.sessions import session_of
 from kvledger.router.stats import Histogram
@@ -556,14 +556,7 @@ def _kvledger_block(res: CompletionResult) -> dict:
             "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
             "onboarded_blocks": res.onboarded_blocks, "migrated_blocks": res.migrated_blocks,
             "retries": res.retries, "output_token_ids": res.output_tokens, "policy": res.decision.policy,
-            **({} if res.phases is None else {"phases": _phases(res.phases)})}
-
-
-def _phases(ph: Phases) -> dict:
-    """A generation's time by phase (``served.Phases``): what a client of a disaggregated cluster reads."""
-    return {"prefill_rank": ph.prefill_rank, "prefill_s": ph.prefill_s, "transfer_s": ph.transfer_s,
-            "transferred_blocks": ph.transferred_blocks, "first_token_s": ph.first_token_s,
-            "inter_token_s": list(ph.inter_token_s)}
+            **({} if res.phases is None else {"phases": dataclasses.asdict(res.phases)})}
 
 
 def _relay(events: Streamed, usage: bool) -> Iterator[bytes]:

@@ -439,11 +439,8 @@ class RouterService:
             return self._prefill_apart(req, job, decision, died)
         if decision.migrate_from is None:
             return Placement(decision)
-        t0 = time.perf_counter()
         try:
-            # the whole prefix the source holds: the target shares what it has, receives the rest
-            moved = self.engines.migrate(req.tokens, decision.migrate_from, decision.rank, None, req.lora_id,
-                                         req.cache_salt)
+            moved, seconds = self._move(req, decision.migrate_from, decision.rank)
         except RankDiedError as e:
             self._lost(e)
             died.add(e.rank)
@@ -452,9 +449,16 @@ class RouterService:
             logger.exception("migration %d -> %d failed; rank %d computes the prefix instead",
                              decision.migrate_from, decision.rank, decision.rank)
             return Placement(decision)
+        return Placement(decision, moved, transfer_s=seconds)
+
+    def _move(self, req: RouteRequest, src: int, dst: int) -> tuple[int, float]:
+        """Migrate the whole prefix of the prompt ``src`` holds to ``dst`` (which shares what it has, receives the
+        rest); the blocks sent and the seconds it took, which the router's transfer fit learns."""
+        t0 = time.perf_counter()
+        moved = self.engines.migrate(req.tokens, src, dst, None, req.lora_id, req.cache_salt)
         seconds = time.perf_counter() - t0
         self.transfers.observe(moved, seconds)
-        return Placement(decision, moved, transfer_s=seconds)
+        return moved, seconds
 
     def _prefill_apart(self, req: RouteRequest, job: Generation, decision: RouteDecision,
                        died: set[int]) -> Placement | None:
@@ -488,9 +492,8 @@ class RouterService:
         prefill_s = time.perf_counter() - t0
         self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, prefill_s,
                       state.queued_prefill_tokens if state is not None else 0)
-        t1 = time.perf_counter()
         try:
-            moved = self.engines.migrate(req.tokens, p, d, None, req.lora_id, req.cache_salt)
+            moved, transfer_s = self._move(req, p, d)
         except RankDiedError as e:
             self._lost(e)
             if e.rank == d:
@@ -500,8 +503,6 @@ class RouterService:
         except Exception:
             logger.exception("transfer %d -> %d failed; rank %d computes the prompt instead", p, d, d)
             return Placement(dataclasses.replace(decision, split=None))
-        transfer_s = time.perf_counter() - t1
-        self.transfers.observe(moved, transfer_s)
         return Placement(decision, moved, p, prefill_s, transfer_s)
 
     def _dispatch(self, req: RouteRequest, rank: int, predicted: int) -> Dispatch:

@@ -337,7 +337,8 @@ def status(as_json: bool = False, out: Callable[[str], None] = print) -> int:
             f"over {s['turns']} turn(s)")
         for f in view["foreign"]:
             dp = "" if f["data_parallel_rank"] is None else f" data-parallel rank {f['data_parallel_rank']}"
-            out(f"vLLM rank {f['rank']}: {f['endpoint']}{dp} {'live' if f['live'] else 'DOWN'}, "
+            role = ", prefill only" if f["prefill_only"] else ""
+            out(f"vLLM rank {f['rank']}: {f['endpoint']}{dp} {'live' if f['live'] else 'DOWN'}{role}, "
                 f"{f['block_size']} tokens per block, {f['index_blocks']} blocks indexed "
                 f"({f['host_blocks']} on its host tier only)")
         for r in view["ranks"]:

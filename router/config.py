@@ -33,6 +33,10 @@ class RouterConfig:
     vllm: tuple[str, ...] = ()
     """vLLM OpenAI servers to route to as well, ``http://HOST:PORT`` each (their model, block size, events and
     tokenizer are asked of the server)."""
+    vllm_prefill: tuple[str, ...] = ()
+    """vLLM servers that only prefill (``http://HOST:PORT`` each, run with a KV connector that produces): a
+    request split off to one is decoded on a ``vllm`` server whose connector takes its KV
+    (``router.kv_connector``)."""
     tokenizer: str | None = None
     """Tokenizer of the vLLM servers' text prompts (a folder with ``tokenizer.json``); default: the model's own
     files when readable here, else the server's ``/tokenize``."""
@@ -83,11 +87,13 @@ class RouterConfig:
             raise ValueError("rate_window_s must be > 0 and load_refresh_s >= 0")
         if type(self.max_retries) is not int or self.max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
-        for url in self.vllm:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"vllm servers are http://HOST:PORT, got {url!r}")
-        if len(set(self.vllm)) != len(self.vllm):
-            raise ValueError(f"vllm lists a server twice: {list(self.vllm)}")
+        for name in ("vllm", "vllm_prefill"):
+            for url in getattr(self, name):
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{name} servers are http://HOST:PORT, got {url!r}")
+        servers = (*self.vllm, *self.vllm_prefill)
+        if len(set(servers)) != len(servers):
+            raise ValueError(f"vllm and vllm_prefill list a server twice: {list(servers)}")
         if not self.engine_timeout_s > 0:
             raise ValueError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s!r}")
         for name, least in (("max_inflight_completions", 1), ("max_queued_completions", 0), ("stored_responses", 0)):

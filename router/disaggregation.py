@@ -13,12 +13,18 @@ request the router weighs two ways (``SplitPlanner.plan``), in seconds:
 
 Seconds per prompt token are each rank's learned figure (``router.engine_rates``), ``prefill_s_per_token`` until
 learned; a transfer's seconds come from the migrations the router timed (``TransferRate``: setup plus per block,
-the priors until two sizes were seen). A prompt whose uncached part on the whole rank is shorter than
+the priors until two sizes were seen).
+
+The KV moves on a ``Link``: own ranks migrate blocks over ``torch.distributed``; vLLM servers hand them over
+through their KV connector (``router.kv_connector``), whose transfer is inside the two requests the router sends
+(the prefill server's keeping of the KV, the decode server's taking it), so it is counted in the ranks' learned
+rates, not apart. A prefill rank pairs only with serving ranks on its own link. A prompt whose uncached part on the whole rank is shorter than
 ``min_split_tokens`` is never split: it is not worth moving. In mode ``always`` every longer one is.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import threading
 from collections import deque
@@ -60,6 +66,15 @@ class SplitConfig:
         if type(self.min_split_tokens) is not int or self.min_split_tokens < 1:
             raise ValueError(f"min_split_tokens must be an int >= 1, got {self.min_split_tokens!r}")
         check_nonneg_numbers(self, skip=("mode", "min_split_tokens"), prefix="split: ")
+
+
+class Link(enum.Enum):
+    """The path a split's KV takes from the prefill rank to the decode rank (see the module docstring)."""
+
+    MIGRATION = "migration"
+    """Own ranks: blocks move over ``torch.distributed`` (``Engines.migrate``)."""
+    CONNECTOR = "connector"
+    """vLLM servers: the prefill server's KV connector hands them to the decode server's."""
 
 
 class TransferRate:
@@ -107,11 +122,12 @@ class SplitPlanner:
         self.transfer = transfer
 
     def plan(self, request: RouteRequest, decision: RouteDecision, serving: Mapping[int, RankState],
-             prefill: Sequence[RankState], matches: Mapping[int, PrefixMatch],
-             rates: Mapping[int, float]) -> RouteDecision:
+             prefill: Sequence[RankState], matches: Mapping[int, PrefixMatch], rates: Mapping[int, float],
+             links: Mapping[int, Link] | None = None) -> RouteDecision:
         """``decision``, or in its place the split that pays: decode on the rank it names, prefill on its
         ``split.prefill_rank``. ``serving``: the states the policy weighed; ``prefill``: the live prefill ranks';
-        ``rates``: learned seconds per prompt token."""
+        ``rates``: learned seconds per prompt token; ``links``: each rank's ``Link`` (a rank absent has none;
+        ``None``: every rank migrates)."""
         c = self.config
         if not prefill:
             return decision
@@ -125,22 +141,32 @@ class SplitPlanner:
         def rate(rank: int) -> float:
             return rates.get(rank) or c.prefill_s_per_token
 
+        def link(rank: int) -> Link | None:
+            return Link.MIGRATION if links is None else links.get(rank)
+
         whole = serving[decision.rank]
         lacks = n - held(whole.rank)
         if lacks < c.min_split_tokens or full == 0:
             return decision
         whole_s = self._compute(whole, lacks, rate(whole.rank))
         prefill_cost = {s.rank: (s.queued_prefill_tokens + n - held(s.rank)) * rate(s.rank) for s in prefill}
-        p = min(prefill, key=lambda s: (prefill_cost[s.rank], s.rank))
-        prefill_s = prefill_cost[p.rank]
         need = -(-(n + request.max_tokens) // bs)
-        roomy = [s for s in serving.values() if _room(s) >= need - held(s.rank) // bs] or list(serving.values())
-        d = min(roomy, key=lambda s: (s.inflight_requests, s.dispatched_blocks, -held(s.rank), s.rank))
-        moved = full - held(d.rank) // bs
-        split_s = prefill_s + self.transfer.seconds(moved) + self._compute(d, n - full * bs, rate(d.rank))
-        if split_s >= whole_s and c.mode == "cost":
+        best: tuple[float, int, int] | None = None
+        for path in dict.fromkeys(link(s.rank) for s in prefill):
+            decoders = [s for s in serving.values() if path is not None and link(s.rank) is path]
+            if not decoders:
+                continue
+            p = min((s for s in prefill if link(s.rank) is path), key=lambda s: (prefill_cost[s.rank], s.rank))
+            roomy = [s for s in decoders if _room(s) >= need - held(s.rank) // bs] or decoders
+            d = min(roomy, key=lambda s: (s.inflight_requests, s.dispatched_blocks, -held(s.rank), s.rank))
+            moved = self.transfer.seconds(full - held(d.rank) // bs) if path is Link.MIGRATION else 0.0
+            split_s = prefill_cost[p.rank] + moved + self._compute(d, n - full * bs, rate(d.rank))
+            if best is None or split_s < best[0]:
+                best = (split_s, p.rank, d.rank)
+        if best is None or (best[0] >= whole_s and c.mode == "cost"):
             return decision
-        return dataclasses.replace(decision, rank=d.rank, split=Split(p.rank, whole.rank, split_s, whole_s))
+        split_s, p_rank, d_rank = best
+        return dataclasses.replace(decision, rank=d_rank, split=Split(p_rank, whole.rank, split_s, whole_s))
 
     def _compute(self, s: RankState, tokens: int, rate: float) -> float:
         """Seconds ``tokens`` of prefill on ``s`` cost: its queue and its own compute, plus the stall it puts on the

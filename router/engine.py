@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvledger.router.chat import ChatTemplate
+from kvledger.router.kv_connector import KvConnector
 from kvledger.router.prompt_tokenizer import PromptTokenizer
 from kvledger.router.vllm_server import EventSource
 from kvledger.worker.wire.messages import RankLoad
@@ -73,6 +74,8 @@ class EngineInfo:
     """Where it publishes its KV events over ZMQ (``None``: they come with its ledger's batches, or not at all)."""
     data_parallel_rank: int | None = None
     """The engine core it is among a data-parallel server's (``None``: the server runs one)."""
+    connector: KvConnector | None = None
+    """The KV connector a vLLM server takes prefills done elsewhere with (``router.kv_connector``)."""
 
     def can(self, capability: Capability) -> bool:
         return capability in self.capabilities

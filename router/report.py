@@ -73,6 +73,8 @@ class ForeignReport:
     """Which engine core of its server it is (``None``: the server runs one)."""
     host_blocks: int = 0
     """Of ``index_blocks``, those the index holds on its host tier only (vLLM's CPU offloading)."""
+    prefill_only: bool = False
+    """Its server only prefills, for decode servers' KV connectors (``RouterConfig.vllm_prefill``)."""
 
 
 @dataclass(frozen=True, slots=True)

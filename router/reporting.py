@@ -1,7 +1,7 @@
 """The ``ClusterReport`` put together from what the router's parts know: engines, the feed, loads and the tally."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from kvledger.router.engine_rates import EngineRates
 from kvledger.router.admission import TenantAdmission
@@ -16,10 +16,12 @@ from kvledger.worker.wire.messages import RankLoad
 
 def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engines: Engines, feed: EventFeed,
                    loads: Mapping[int, RankLoad], inflight: Mapping[int, tuple[int, int]], tally: Tally,
-                   tenants: Sequence[TenantAdmission], sessions: SessionStats, rates: EngineRates) -> ClusterReport:
+                   tenants: Sequence[TenantAdmission], sessions: SessionStats, rates: EngineRates,
+                   prefill_only: Collection[int] = ()) -> ClusterReport:
     """Per live rank its blocks, hit rate, events, load and what was routed to it; per ZMQ-fed engine its index
     view; the router's totals; per tenant its admission; its sessions. ``inflight``: per live rank, requests
-    dispatched and their queued tokens; ``rates``: what the router learned of each engine's speed."""
+    dispatched and their queued tokens; ``rates``: what the router learned of each engine's speed; ``prefill_only``:
+    the vLLM ranks that only prefill."""
     index = feed.index
     events = {r: feed.counters(r) for r in live}
     foreign_engines = feed.foreign_engines()
@@ -57,7 +59,7 @@ def cluster_report(policy: str, tokens_per_block: int, live: Sequence[int], engi
                               feed.rejections.total())
     added, live_set = engines.added(), set(live)
     foreign = [ForeignReport(r, name, *held[r][:2], r in live_set or r not in added, held[r][2], rejected.get(r, {}),
-                             dp_ranks.get(r), host_only[r])
+                             dp_ranks.get(r), host_only[r], r in prefill_only)
                for r, name in foreign_engines.items()]
     s = sessions
     return ClusterReport(policy, tokens_per_block, ranks, foreign, totals, tenant_reports(tenants),

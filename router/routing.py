@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
-from kvledger.router.disaggregation import SplitPlanner
+from kvledger.router.disaggregation import Link, SplitPlanner
 from kvledger.router.load import LoadAccount, ReportedQueue
 from kvledger.router.policies import RankState, RouteDecision, RouteRequest, RoutingPolicy
 from kvledger.router.probe import PrefixMatch
@@ -29,14 +29,16 @@ class RouteStep:
                blocks: Mapping[int, tuple[int, int]], now: float, record: bool,
                reported: Mapping[int, ReportedQueue] | None = None, fixed: Collection[int] = (),
                sessions: Mapping[int, int] | None = None, rates: Mapping[int, float] | None = None,
-               onboard: Mapping[int, float | None] | None = None, prefill: Sequence[int] = ()) -> RouteDecision:
+               onboard: Mapping[int, float | None] | None = None, prefill: Sequence[int] = (),
+               links: Mapping[int, Link] | None = None) -> RouteDecision:
         """The policy's decision among ``live`` ranks; ``blocks`` is each rank's (used, total) device blocks.
 
         ``reported``: engines' own counts of their queues; ``fixed``: ranks KV cannot migrate to or from;
         ``sessions``: device blocks live sessions left on each rank (``router.sessions``); ``rates``: seconds per
         uncached prompt token learned of each rank (``router.engine_rates``); ``onboard``: each rank's measured
         seconds to onboard a host block (absent or ``None``: not measured); ``prefill``: live ranks that only
-        prefill, which the policy never picks: the planner may send the prompt there first.
+        prefill, which the policy never picks: the planner may send the prompt there first, then its KV to a
+        serving rank on the same ``links`` path (each rank's ``Link``: one absent has none).
         With ``record`` the request is then sent where the decision says, and a
         policy with a memory of its own (``cache_aware``) learns it.
         """
@@ -49,9 +51,10 @@ class RouteStep:
         states = [state(r) for r in live]
         loads = {s.rank: s for s in states}
         decision = dataclasses.replace(self.policy.route(request, states, matches), loads=loads)
-        prefilling = [state(r) for r in prefill if r not in fixed]
+        links = links or {}
+        prefilling = [state(r) for r in prefill if r in links]
         if self.planner is not None and prefilling:
-            decision = self.planner.plan(request, decision, loads, prefilling, matches, rates)
+            decision = self.planner.plan(request, decision, loads, prefilling, matches, rates, links)
             if decision.split is not None:
                 decision = dataclasses.replace(decision, migrate_from=None, migrate_blocks=0,
                                                loads={**loads, **{s.rank: s for s in prefilling}})

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvledger.router.engine import Generation
 from kvledger.router.policies import RouteDecision
 
 
@@ -46,6 +47,9 @@ class Placement:
     """The rank its prompt was computed on apart (a split)."""
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    job: Generation | None = None
+    """The generation as the decision's rank is sent it, when not the client's as it came (a split across vLLM
+    servers adds the prefill's ``kv_transfer_params``)."""
 
     def phases(self, token_times_s: list[float] | None) -> Phases:
         """Its phases, given the decoding engine's token times (seconds from its taking the request)."""

@@ -31,11 +31,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvledger.router.admission import AdmissionGate, AdmissionRefused, Held
 from kvledger.router.config import RouterConfig
-from kvledger.router.disaggregation import SplitPlanner, TransferRate
-from kvledger.router.engine import Capability, Engine, Generated, Generation, cached_tokens_of
+from kvledger.router.disaggregation import Link, SplitPlanner, TransferRate
+from kvledger.router.engine import (Capability, Engine, EngineRefusedError, Generated, Generation,
+                                    cached_tokens_of)
 from kvledger.router.engine_rates import EngineRates
 from kvledger.router.engines import EngineCannotError, Engines
 from kvledger.router.feed import EventFeed
+from kvledger.router.kv_connector import EXAMPLE_FLAG, decode_fields, prefill_fields
 from kvledger.router.load import Dispatch, Ended, LoadAccount, ReportedQueue
 from kvledger.router.models import Model, Models
 from kvledger.router.numbering import SequencedIndex
@@ -92,9 +94,18 @@ class RouterService:
         """Per rank, what had ended there when its load report was asked (``ReportedQueue.less``)."""
         self._listener: DispatchListener | None = None
         self._request_ids = itertools.count(1, MAX_N + 1)   # a generation's n choices (and prefill) take the next ids
+        self._vllm_prefill: set[int] = set()
+        """Ranks of vLLM servers that only prefill (``RouterConfig.vllm_prefill``)."""
         try:
             for url in config.vllm:
                 self.add_vllm(url)
+            for url in config.vllm_prefill:
+                self.add_vllm(url, prefill=True)
+            if config.vllm_prefill and not any(self._link(r) is Link.CONNECTOR for r in self.engines.added()
+                                               if r not in self._vllm_prefill):
+                raise ValueError(f"vllm_prefill servers {list(config.vllm_prefill)} need a vllm server whose KV "
+                                 "connector takes their KV, to decode (none of "
+                                 f"{list(config.vllm)} runs one): start it with {EXAMPLE_FLAG} or another connector")
         except BaseException:
             self.close()
             raise
@@ -106,9 +117,10 @@ class RouterService:
 
     # ------------------------------------------------------------------ membership
 
-    def add_vllm(self, url: str) -> list[int]:
+    def add_vllm(self, url: str, prefill: bool = False) -> list[int]:
         """Route to the vLLM server at ``url`` too: ask it what it serves, subscribe to its events; its ranks, one
-        per data-parallel rank it runs (each indexed, routed to and loaded as an engine of its own)."""
+        per data-parallel rank it runs (each indexed, routed to and loaded as an engine of its own). ``prefill``:
+        it only prefills, for decode servers whose KV connector takes what its own produces."""
         if url in self.feed.foreign_engines().values():
             raise ValueError(f"vLLM server {url} is already a rank")
         engines = VllmEngine.connect_all(self.feed.next_foreign_rank(), url, self.config.tokenizer,
@@ -120,6 +132,8 @@ class RouterService:
             dp = "" if missing == [None] else f" for data-parallel ranks {missing}"
             raise ValueError(f"vLLM server {url} publishes no KV events{dp}; start it with --enable-prefix-caching "
                              "and --kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'")
+        if prefill:
+            self._check_producer(url, engines)
         for engine in engines:
             info = engine.info()
             src = info.events
@@ -128,10 +142,39 @@ class RouterService:
                                          dp_rank=info.data_parallel_rank)
             assert rank == engine.rank, "engines are attached one at a time"
             self.engines.add(engine)
+            if prefill:
+                self._vllm_prefill.add(rank)
             logger.info("vLLM server %s%s (model %s, %s tokens per block, tokenizer %s) is rank %d", url,
                         "" if info.data_parallel_rank is None else f" data-parallel rank {info.data_parallel_rank}",
                         info.model, info.block_size, info.tokenizer.name, rank)
         return [e.rank for e in engines]
+
+    @staticmethod
+    def _check_producer(url: str, engines: list[VllmEngine]) -> None:
+        """A prefill server must run a KV connector that keeps what it computes for another server; else the
+        engines are closed and the error says how to start one."""
+        try:
+            connector = engines[0].server.kv_connector()
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+        if connector is None or not connector.produces:
+            for engine in engines:
+                engine.close()
+            runs = "no KV connector" if connector is None else f"{connector.name} as {connector.role}"
+            raise ValueError(f"vLLM server {url} cannot prefill for another server: it runs {runs}; start it with "
+                             f"{EXAMPLE_FLAG} (or NixlConnector, role kv_producer or kv_both)")
+
+    def _link(self, rank: int) -> Link | None:
+        """The path a split's KV takes to or from ``rank`` (``router.disaggregation``); ``None``: it is never
+        part of a split."""
+        info = self.engines.engine(rank).info()
+        if info.can(Capability.MIGRATION):
+            return Link.MIGRATION
+        if rank in self._vllm_prefill or (info.connector is not None and info.connector.consumes):
+            return Link.CONNECTOR
+        return None
 
     def check_health(self) -> list[int]:
         """One health round over every engine, then the index follows (``EventFeed.sync``); the ranks back.
@@ -156,6 +199,7 @@ class RouterService:
     def _forget(self, rank: int) -> None:
         """The feed dropped ``rank``: its load, what was dispatched to it and the policy's memory of it go."""
         self.rates.forget(rank)
+        self._vllm_prefill.discard(rank)
         with self._lock:
             self.account.forget(rank)
             self._loads.pop(rank, None)
@@ -210,7 +254,7 @@ class RouterService:
                 only: int | None = None) -> RouteDecision:
         serving = set(model.ranks)
         engines = self.engines.live_engines()
-        prefill_only = set(self.config.prefill_rank_ids)
+        prefill_only = {*self.config.prefill_rank_ids, *self._vllm_prefill}
         up = [r for r in engines if r not in exclude and r in serving]
         live = [r for r in up if r not in prefill_only and only in (None, r)]
         prefill = [r for r in up if r in prefill_only] if only is None else []
@@ -222,6 +266,7 @@ class RouterService:
                                   + (f" (ranks {sorted(exclude)} died)" if exclude else ""))
         matches = self._match(req)
         fixed = [r for r in (*live, *prefill) if not engines[r].info().can(Capability.MIGRATION)]
+        links = {r: link for r in (*live, *prefill) if (link := self._link(r)) is not None} if prefill else {}
         with self._lock:
             blocks = {r: (load.device_blocks_used, load.device_blocks) for r, load in self._loads.items()}
             # every engine's own count (clients no replica saw), less what ended since it was asked
@@ -229,7 +274,7 @@ class RouterService:
                         .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
             onboard = {r: load.onboard_s_per_block for r, load in self._loads.items()}
             return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
-                                    self.sessions.blocks_by_rank(), self.rates.prefill(), onboard, prefill)
+                                    self.sessions.blocks_by_rank(), self.rates.prefill(), onboard, prefill, links)
 
     # ------------------------------------------------------------------ serving
 
@@ -323,9 +368,9 @@ class RouterService:
                 placed = self._place(req, job, model, died, only)
                 if placed is None:
                     continue
-                decision, migrated = placed.decision, placed.migrated
+                decision, migrated, job = placed.decision, placed.migrated, placed.job or job
                 rank = decision.rank
-                predicted = min(self._held(req, rank, decision) + migrated * self.config.tokens_per_block,
+                predicted = min(self._held(req, rank, decision) + migrated * self.feed.index.block_size(rank),
                                 len(req.tokens) - 1)
                 dispatch = self._dispatch(req, rank, predicted)
                 state = decision.loads.get(rank)
@@ -435,6 +480,8 @@ class RouterService:
         if len(died) > self.config.max_retries:
             raise NoLiveRankError(f"ranks {sorted(died)} died serving the request")
         decision = self._decide(req, model, frozenset(died), record=True, only=only)
+        if decision.split is not None and decision.split.prefill_rank in self._vllm_prefill:
+            return self._prefill_on_server(req, job, decision)
         if decision.split is not None:
             return self._prefill_apart(req, job, decision, died)
         if decision.migrate_from is None:
@@ -504,6 +551,43 @@ class RouterService:
             logger.exception("transfer %d -> %d failed; rank %d computes the prompt instead", p, d, d)
             return Placement(dataclasses.replace(decision, split=None))
         return Placement(decision, moved, p, prefill_s, transfer_s)
+
+    def _prefill_on_server(self, req: RouteRequest, job: Generation, decision: RouteDecision) -> Placement:
+        """A split across vLLM servers (``router.kv_connector``): the request with one output token and
+        ``kv_transfer_params`` to the prefill server, then the decode server is sent it with the parameters the
+        prefill answered. The prefill is sent as the client's request is (a chat as its messages), so both servers
+        render the same prompt. A Responses request is served whole (its prefill would be stored as a response
+        of its own); so is one whose prefill server is lost or full. The decode server's connector takes the
+        prompt's full blocks, as far as the index knows it lacks them."""
+        split = decision.split
+        p, d = split.prefill_rank, decision.rank
+        whole = Placement(dataclasses.replace(decision, rank=split.whole_rank, split=None))
+        if job.responses:
+            return whole
+        dispatch = self._dispatch(dataclasses.replace(req, max_tokens=1), p, decision.matched_tokens.get(p, 0))
+        state = decision.loads.get(p)
+        t0 = time.perf_counter()
+        try:
+            got = self.engines.engine(p).generate(dataclasses.replace(
+                job, request_id=job.request_id + job.n, max_tokens=1, n=1, fields=prefill_fields(job.fields)))
+        except RankDiedError as e:
+            self._lost(e)
+            return whole
+        except (OutOfBlocksError, RankBusyError, EngineRefusedError) as e:
+            if isinstance(e, EngineRefusedError) and e.status < 500:
+                raise   # the decode server would refuse it as well
+            logger.info("prefill server rank %d cannot take the request now (%s); rank %d serves it whole", p, e,
+                        split.whole_rank)
+            return whole
+        finally:
+            self._finished(dispatch)
+        prefill_s = time.perf_counter() - t0
+        self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, prefill_s,
+                      state.queued_prefill_tokens if state is not None else 0)
+        size = self.feed.index.block_size(d)
+        handed = max(0, (len(req.tokens) - 1) // size - decision.matched_tokens.get(d, 0) // size)
+        return Placement(decision, handed, p, prefill_s,
+                         job=dataclasses.replace(job, fields=decode_fields(job.fields, got.answer)))
 
     def _dispatch(self, req: RouteRequest, rank: int, predicted: int) -> Dispatch:
         tpb = self.feed.index.block_size(rank)
@@ -589,7 +673,7 @@ class RouterService:
             inflight = {r: self.account.inflight(r) for r in live}
         return cluster_report(self.policy.name, self.config.tokens_per_block, live, self.engines, self.feed,
                               loads, inflight, self.tally, self.admission.tenants(), self.sessions.stats(),
-                              self.rates)
+                              self.rates, self._vllm_prefill)
 
     def close(self) -> None:
         self.feed.close()

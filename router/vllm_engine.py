@@ -63,7 +63,7 @@ class VllmEngine:
         self._blocks = found.num_blocks or 0
         return EngineInfo(found.model, found.block_size or 0, self._tokenizer, found.max_model_len, None,
                           ChatTemplate.of_model(found.model_root), frozenset(), "vllm", found.url,
-                          found.events.get(0 if dp is None else dp), dp)
+                          found.events.get(0 if dp is None else dp), dp, found.connector)
 
     @property
     def rank(self) -> int:

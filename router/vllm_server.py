@@ -9,7 +9,10 @@ to index and route to it, so ``kvledger up --vllm URL`` takes nothing else:
   ``/metrics``);
 - the KV-event publishers (``GET /kv_event_sources``: one config per
   data-parallel rank, each publishing on a port of its own), turned into
-  where the router subscribes (``EventSource``).
+  where the router subscribes (``EventSource``);
+- whether it runs a KV connector that takes a prefill done elsewhere (its
+  metrics; ``kv_connector`` asks ``/server_info`` for the connector's role,
+  as a prefill server must have: ``router.kv_connector``).
 
 A server started with ``--data-parallel-size N`` runs N engine cores behind
 one API server: each is an engine of its own to the router. A client made for
@@ -39,6 +42,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.router.http_pool import HttpPool
+from kvledger.router.kv_connector import KvConnector, connector_of
 from kvledger.router.vllm_onboard import ONBOARD_SAMPLES, OnboardMeter
 
 COMPLETIONS = "/v1/completions"
@@ -82,6 +86,8 @@ class VllmServerInfo:
     routed to blind)."""
     dp_ranks: tuple[int, ...] = (0,)
     """Its engine cores' data-parallel ranks (the ``engine`` labels of its metrics); ``(0,)`` without DP."""
+    connector: KvConnector | None = None
+    """The KV connector its metrics show it consumes with (``None``: it takes no prefill done elsewhere)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +174,18 @@ class VllmServer:
         events = {int(k): src for k, config in sources.items() if (src := event_source(config, self.host))}
         dp_ranks = tuple(sorted({*_engine_labels(metrics), *events})) or (0,)
         return VllmServerInfo(self.url, str(model["id"]), model.get("root"), model.get("max_model_len"),
-                              _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"), events, dp_ranks)
+                              _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"), events, dp_ranks,
+                              connector_of(None, _metric_names(metrics)))
+
+    def kv_connector(self) -> KvConnector | None:
+        """The KV connector it runs, with its name and role when it serves ``/server_info``
+        (``VLLM_SERVER_DEV_MODE=1``), else as far as its metrics show; ``None``: it runs none."""
+        try:
+            r = self._http.get("/server_info", params={"config_format": "json"}, timeout=httpx.Timeout(60.0))
+        except httpx.TransportError as e:
+            raise EngineUnreachableError(f"vLLM server {self.url}: GET /server_info: {e!r}") from e
+        described = r.json() if r.status_code == 200 else None
+        return connector_of(described, set() if described else _metric_names(self._get("/metrics").text))
 
     def _has_event_sources(self) -> bool:
         try:
@@ -262,6 +279,11 @@ def _labels(metrics_text: str, name: str) -> dict[str, str]:
             if s.name == name:
                 return dict(s.labels)
     return {}
+
+
+def _metric_names(metrics_text: str) -> set[str]:
+    """The metric families a ``/metrics`` page declares (its ``# TYPE`` lines)."""
+    return {line.split()[2] for line in metrics_text.splitlines() if line.startswith("# TYPE ")}
 
 
 def _engine_labels(metrics_text: str) -> set[int]:

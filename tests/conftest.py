@@ -58,10 +58,12 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_servers(request, tmp_path_factory):
-    """Two real vLLM servers for one test module (block size 32 with a publisher that binds, 64 with one that
-    connects), tool calling on, stopped by their process ids when the module ends (``tests/vllm_engines.py``)."""
+    """Two real vLLM servers for the session (block size 32 with a publisher that binds, 64 with one that
+    connects), tool calling on, stopped by their process ids when it ends (``tests/vllm_engines.py``). The
+    modules share them (a start costs a minute of both cores): each module's prompts start with tokens of its
+    own, so none finds another's cached blocks."""
     from vllm_engines import TOOL_CALLING, EngineSpec, start_engines
 
     return start_engines(request, tmp_path_factory, [EngineSpec(block_size=32, args=TOOL_CALLING),
@@ -69,10 +71,7 @@ def vllm_servers(request, tmp_path_factory):
                                                                 args=TOOL_CALLING)])
 
 
-@pytest.fixture(scope="module")
-def vllm_server(request, tmp_path_factory):
-    """One real vLLM server (block size 32) for one test module, stopped by its process id when it ends."""
-    from vllm_engines import EngineSpec, start_engines
-
-    (server,) = start_engines(request, tmp_path_factory, [EngineSpec(block_size=32)])
-    return server
+@pytest.fixture(scope="session")
+def vllm_server(vllm_servers):
+    """One real vLLM server (block size 32): the first of ``vllm_servers``."""
+    return vllm_servers[0]

@@ -11,7 +11,7 @@ import torch
 
 from kvledger.coordinator.local_cluster import LocalCluster
 from kvledger.router.config import RouterConfig
-from kvledger.router.disaggregation import SplitConfig, SplitPlanner, TransferRate
+from kvledger.router.disaggregation import Link, SplitConfig, SplitPlanner, TransferRate
 from kvledger.router.policies import RankState, RouteDecision, RouteRequest
 from kvledger.router.probe import PrefixMatch
 from kvledger.router.service import RouterService
@@ -70,6 +70,23 @@ def test_the_split_picks_the_prefill_rank_by_prefix_and_queue_and_the_decode_ran
     busy = plan.plan(req, RouteDecision(2, "kv"), serving, [RankState(0), RankState(1, queued_prefill_tokens=10_000)],
                      {1: PrefixMatch(50, 200, 0)}, {})
     assert busy.split.prefill_rank == 0, "rank 1's queue outweighs its prefix"
+
+
+def test_a_prefill_rank_pairs_only_with_decode_ranks_on_its_own_link():
+    """A vLLM prefill server's KV reaches vLLM decode servers through their connector, never an own rank, and an
+    own prefill rank's only own ranks; a rank on no link is served whole only."""
+    plan = planner(mode="always", min_split_tokens=64)
+    req = request(400)
+    serving = states((2, {}), (1000, {"queued_prefill_tokens": 5000}), (1001, {}))
+    links = {0: Link.MIGRATION, 2: Link.MIGRATION, 1002: Link.CONNECTOR, 1000: Link.CONNECTOR}
+    vllm = plan.plan(req, RouteDecision(1000, "kv"), serving, [RankState(1002)], {}, {}, links)
+    assert (vllm.rank, vllm.split.prefill_rank) == (1000, 1002), "1001 runs no connector; 2 is an own rank"
+    own = plan.plan(req, RouteDecision(1000, "kv"), serving, [RankState(0)], {}, {}, links)
+    assert (own.rank, own.split.prefill_rank) == (2, 0)
+    both = plan.plan(req, RouteDecision(1000, "kv"), serving, [RankState(0), RankState(1002)], {}, {}, links)
+    assert (both.rank, both.split.prefill_rank) == (2, 0), "the connector's decode rank has a queue, the migration's none"
+    alone = plan.plan(req, RouteDecision(1001, "kv"), states((1001, {})), [RankState(1002)], {}, {}, links)
+    assert alone.split is None and alone.rank == 1001
 
 
 def test_the_transfer_rate_is_fitted_from_timed_migrations():

@@ -49,6 +49,15 @@ def router(vllm_servers: list[VllmServer]) -> Iterator[tuple[RouterService, http
         yield service, client
 
 
+def test_a_server_without_a_kv_connector_is_refused_as_a_prefill_server(vllm_servers) -> None:
+    """It would take ``kv_transfer_params`` and ignore them (vLLM logs "no KVConnector found"), so nothing it
+    prefills would reach the decode server: the router refuses it at once, saying how to start one."""
+    plain, other = vllm_servers
+    with pytest.raises(ValueError, match=f"vLLM server {plain.url} cannot prefill for another server: it runs no KV "
+                                         "connector; start it with --kv-transfer-config"):
+        RouterService(None, RouterConfig(tokens_per_block=T, vllm=(other.url,), vllm_prefill=(plain.url,)))
+
+
 def complete(client: httpx.Client, tokens: list[int], model: str, **fields) -> dict:
     r = client.post("/v1/completions", json={"prompt": tokens, "max_tokens": 2, "model": model, **fields})
     assert r.status_code == 200, r.text

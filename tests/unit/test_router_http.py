@@ -258,7 +258,7 @@ def test_a_real_vllm_engines_events_show_in_probes_but_never_get_requests():
             foreign = client.get("/v1/cluster").json()["foreign"]
             assert foreign == [{"rank": rank, "endpoint": f"tcp://127.0.0.1:{engine.pub_port}", "index_blocks": 2,
                                 "next_seq": 1, "live": True, "block_size": T, "rejected": {},
-                                "data_parallel_rank": None, "host_blocks": 0}]
+                                "data_parallel_rank": None, "host_blocks": 0, "prefill_only": False}]
     finally:
         server.stop()
         service.close()

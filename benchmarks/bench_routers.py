@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -104,8 +105,10 @@ def serve_kvledger(spec: dict) -> None:
     from kvledger.router.service import RouterService
 
     warm_kernels()   # as ``kvledger up``'s router does before it reports ready
+    split = {"vllm_prefill": tuple(spec["prefill"]), "split_mode": spec["split_mode"],
+             "min_split_tokens": spec["min_split_tokens"]} if spec.get("prefill") else {}
     service = RouterService(None, RouterConfig(tokens_per_block=BLOCK, policy=spec["policy"],
-                                               vllm=tuple(spec["urls"])))
+                                               vllm=tuple(spec["urls"]), **split))
     service.refresh_loads(force=True)
     stop = threading.Event()
 
@@ -129,8 +132,10 @@ class KvledgerRouter(RouterProcess):
 
     stdin_grace_s = 10.0
 
-    def __init__(self, policy: str, servers: list[str], model: str) -> None:
-        cmd = [sys.executable, __file__, "--serve-router", json.dumps({"policy": policy, "urls": servers})]
+    def __init__(self, policy: str, servers: list[str], model: str, split: dict | None = None) -> None:
+        """``split``: ``prefill`` (the servers that only prefill), ``split_mode`` and ``min_split_tokens``."""
+        spec = {"policy": policy, "urls": servers, **(split or {})}
+        cmd = [sys.executable, __file__, "--serve-router", json.dumps(spec)]
         super().__init__(f"kvledger {policy}", cmd, model, None)
 
 
@@ -147,6 +152,8 @@ def start_router(name: str, servers: list[str], events: list[str], model: str) -
 class RunResult:
     router: str
     ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    """Seconds between a stream's successive chunks, over every request."""
     failed: int = 0
     counts: list[EngineTotals] = field(default_factory=list)
     wall_s: float = 0.0
@@ -189,9 +196,12 @@ class Background:
             t.join(timeout=HTTP_TIMEOUT_S)
 
 
-def replay(router: KvledgerRouter | PeerRouter, trace: Trace, model: str, concurrency: int) -> tuple[list[float], int]:
-    """The trace through ``router`` at its arrival times, at most ``concurrency`` at once: TTFTs, failures."""
+def replay(router: RouterProcess, trace: Trace, model: str,
+           concurrency: int) -> tuple[list[float], list[float], int]:
+    """The trace through ``router`` at its arrival times, at most ``concurrency`` at once: TTFTs, the gaps between
+    each stream's chunks, failures."""
     ttft: list[float] = []
+    itl: list[float] = []
     failed = 0
     lock = threading.Lock()
     t0 = time.perf_counter()
@@ -206,12 +216,11 @@ def replay(router: KvledgerRouter | PeerRouter, trace: Trace, model: str, concur
             with client.stream("POST", f"{router.url}/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}")
-                first = None
-                for line in resp.iter_lines():
-                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                        first = time.perf_counter() - start
+                times = [time.perf_counter() - start for line in resp.iter_lines()
+                         if line.startswith("data: ") and line != "data: [DONE]"]
             with lock:
-                ttft.append(first if first is not None else float("nan"))
+                ttft.append(times[0] if times else float("nan"))
+                itl.extend(b - a for a, b in itertools.pairwise(times))
         except Exception:  # a failed request is counted, never fatal to the run
             with lock:
                 failed += 1
@@ -226,7 +235,7 @@ def replay(router: KvledgerRouter | PeerRouter, trace: Trace, model: str, concur
             futures.append(pool.submit(one, i, client))
         for f in futures:
             f.result(timeout=HTTP_TIMEOUT_S * 2)
-    return ttft, failed
+    return ttft, itl, failed
 
 
 def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace, concurrency: int,
@@ -241,7 +250,7 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
         if background is not None:
             time.sleep(1.0)   # the other tenant's decodes under way
         t0 = time.perf_counter()
-        ttft, failed = replay(router, trace, model, concurrency)
+        ttft, itl, failed = replay(router, trace, model, concurrency)
         wall = time.perf_counter() - t0
         learned = learned_rates(router.url) if isinstance(router, KvledgerRouter) else ""
     finally:
@@ -253,7 +262,7 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
         counts = [EngineTotals.read(c, u).since(b) for u, b in zip(urls, before)]
     if background is not None:   # the other tenant's own requests, as they were answered
         counts[0] = counts[0].since(EngineTotals(background.prompt, background.cached, background.requests))
-    return RunResult(name, ttft, failed, counts, wall, learned)
+    return RunResult(name, ttft, itl, failed, counts, wall, learned)
 
 
 def learned_rates(url: str) -> str:

@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
-from gpu_vllm_tier import cuda_python, prompt
-from vllm_engines import VllmServer, free_port, write_tiny_checkpoint
+from gpu_vllm_tier import cuda_setup, prompt
+from vllm_engines import VllmServer, free_port
 
 from kvledger.router.config import RouterConfig
 from kvledger.router.kv_connector import PREFILL_PARAMS
@@ -51,12 +50,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a checkpoint path (default: the suite's tiny random Llama)")
     args = ap.parse_args()
-    python = cuda_python()
-    if python is None:
-        print(json.dumps({"skipped": "no CUDA vLLM: set VLLM_PYTHON to a venv whose vllm sees a GPU"}))
+    setup = cuda_setup(args.model, "kvledger-gpu-pd-")
+    if setup is None:
         return 0
-    work = Path(tempfile.mkdtemp(prefix="kvledger-gpu-pd-"))
-    model = Path(args.model) if args.model else write_tiny_checkpoint(work / "tiny", python)
+    python, work, model = setup
     servers = [start(python, model, work / name) for name in ("prefill", "decode")]
     try:
         for server in servers:

@@ -49,6 +49,17 @@ def cuda_python() -> Path | None:
     return Path(python) if probe.returncode == 0 else None
 
 
+def cuda_setup(model: str | None, prefix: str) -> tuple[Path, Path, Path] | None:
+    """The CUDA vLLM's python, a fresh work folder and the checkpoint (``model``, else the tiny one written there);
+    ``None``, with the ``skipped`` line printed, where there is no CUDA vLLM."""
+    python = cuda_python()
+    if python is None:
+        print(json.dumps({"skipped": "no CUDA vLLM: set VLLM_PYTHON to a venv whose vllm sees a GPU"}))
+        return None
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    return python, work, Path(model) if model else write_tiny_checkpoint(work / "tiny", python)
+
+
 def prompt(first: int, n: int) -> list[int]:
     return [first, *(3 + (first * 31 + i * 7) % 256 for i in range(n - 1))]
 
@@ -81,12 +92,10 @@ def main() -> int:
     ap.add_argument("--dp", type=int, default=1, help="--data-parallel-size (one GPU each)")
     ap.add_argument("--blocks", type=int, default=64, help="device KV blocks per engine core (small: it must evict)")
     args = ap.parse_args()
-    python = cuda_python()
-    if python is None:
-        print(json.dumps({"skipped": "no CUDA vLLM: set VLLM_PYTHON to a venv whose vllm sees a GPU"}))
+    setup = cuda_setup(args.model, "kvledger-gpu-tier-")
+    if setup is None:
         return 0
-    work = Path(tempfile.mkdtemp(prefix="kvledger-gpu-tier-"))
-    model = Path(args.model) if args.model else write_tiny_checkpoint(work / "tiny", python)
+    python, work, model = setup
     server = VllmServer(python, model, work, block_size=BLOCK, data_parallel_size=args.dp,
                         args=("--num-gpu-blocks-override", str(args.blocks), "--kv-offloading-size", "1",
                               "--kv-transfer-config", SELF_DESCRIBING))

@@ -14,7 +14,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens", "vllm:prefix_cache_hits_total": "cached_tokens",
-            "vllm:request_success_total": "requests", "vllm:request_inference_time_seconds_sum": "busy_s"}
+            "vllm:request_success_total": "requests", "vllm:request_inference_time_seconds_sum": "busy_s",
+            "vllm:external_prefix_cache_hits_total": "external_tokens"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class EngineTotals:
     """Requests finished, for any reason."""
     busy_s: float = 0.0
     """Seconds its requests spent from scheduled to finished, summed."""
+    external_tokens: float = 0.0
+    """Prompt tokens its KV connector supplied (another server computed them: a prefill handed over)."""
 
     @classmethod
     def parse(cls, metrics_text: str) -> EngineTotals:
@@ -46,7 +49,8 @@ class EngineTotals:
 
     def since(self, before: EngineTotals) -> EngineTotals:
         return EngineTotals(self.prompt_tokens - before.prompt_tokens, self.cached_tokens - before.cached_tokens,
-                            self.requests - before.requests, self.busy_s - before.busy_s)
+                            self.requests - before.requests, self.busy_s - before.busy_s,
+                            self.external_tokens - before.external_tokens)
 
     @property
     def hit_rate(self) -> float:

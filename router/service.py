@@ -507,6 +507,33 @@ class RouterService:
         self.transfers.observe(moved, seconds)
         return moved, seconds
 
+    def _prefill(self, req: RouteRequest, decision: RouteDecision, prefill: Generation) -> tuple[dict, float] | None:
+        """``prefill`` (a split's first request) run on the decision's prefill rank: its answer and seconds, learned
+        as the rank's speed; ``None`` when the rank is lost, full or failing (the request is then served whole).
+        A refusal of the request itself is raised: the decode rank would refuse it as well."""
+        p = decision.split.prefill_rank
+        dispatch = self._dispatch(dataclasses.replace(req, max_tokens=prefill.max_tokens), p,
+                                  decision.matched_tokens.get(p, 0))
+        state = decision.loads.get(p)
+        t0 = time.perf_counter()
+        try:
+            got = self.engines.engine(p).generate(prefill)
+        except RankDiedError as e:
+            self._lost(e)
+            return None
+        except (OutOfBlocksError, RankBusyError, EngineRefusedError) as e:
+            if isinstance(e, EngineRefusedError) and e.status < 500:
+                raise
+            logger.info("prefill rank %d cannot take the request now (%s); rank %d serves it whole", p, e,
+                        decision.split.whole_rank)
+            return None
+        finally:
+            self._finished(dispatch)
+        seconds = time.perf_counter() - t0
+        self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, seconds,
+                      state.queued_prefill_tokens if state is not None else 0)
+        return got.answer, seconds
+
     def _prefill_apart(self, req: RouteRequest, job: Generation, decision: RouteDecision,
                        died: set[int]) -> Placement | None:
         """A split: the prompt computed on the prefill rank (its blocks stored there), its full blocks moved to
@@ -517,28 +544,11 @@ class RouterService:
         recompute, never the request: a prefill rank that is full or dies leaves the request whole (on the
         policy's rank, or the decode rank once the prompt is computed); a decode rank that dies has it decided
         again."""
-        split = decision.split
-        p, d = split.prefill_rank, decision.rank
-        whole = Placement(dataclasses.replace(decision, rank=split.whole_rank, split=None))
-        prompt = dataclasses.replace(req, max_tokens=0)
-        dispatch = self._dispatch(prompt, p, decision.matched_tokens.get(p, 0))
-        state = decision.loads.get(p)
-        t0 = time.perf_counter()
-        try:
-            got = self.engines.engine(p).generate(dataclasses.replace(
-                job, request_id=job.request_id + job.n, max_tokens=0, n=1, fields={}, chat=False, responses=False))
-        except RankDiedError as e:
-            self._lost(e)
-            return whole
-        except (OutOfBlocksError, RankBusyError) as e:
-            logger.info("prefill rank %d has no room now (%s); rank %d serves the request whole", p, e,
-                        split.whole_rank)
-            return whole
-        finally:
-            self._finished(dispatch)
-        prefill_s = time.perf_counter() - t0
-        self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, prefill_s,
-                      state.queued_prefill_tokens if state is not None else 0)
+        p, d = decision.split.prefill_rank, decision.rank
+        prefilled = self._prefill(req, decision, dataclasses.replace(
+            job, request_id=job.request_id + job.n, max_tokens=0, n=1, fields={}, chat=False, responses=False))
+        if prefilled is None:
+            return Placement(dataclasses.replace(decision, rank=decision.split.whole_rank, split=None))
         try:
             moved, transfer_s = self._move(req, p, d)
         except RankDiedError as e:
@@ -550,7 +560,7 @@ class RouterService:
         except Exception:
             logger.exception("transfer %d -> %d failed; rank %d computes the prompt instead", p, d, d)
             return Placement(dataclasses.replace(decision, split=None))
-        return Placement(decision, moved, p, prefill_s, transfer_s)
+        return Placement(decision, moved, p, prefilled[1], transfer_s)
 
     def _prefill_on_server(self, req: RouteRequest, job: Generation, decision: RouteDecision) -> Placement:
         """A split across vLLM servers (``router.kv_connector``): the request with one output token and
@@ -559,35 +569,16 @@ class RouterService:
         render the same prompt. A Responses request is served whole (its prefill would be stored as a response
         of its own); so is one whose prefill server is lost or full. The decode server's connector takes the
         prompt's full blocks, as far as the index knows it lacks them."""
-        split = decision.split
-        p, d = split.prefill_rank, decision.rank
-        whole = Placement(dataclasses.replace(decision, rank=split.whole_rank, split=None))
-        if job.responses:
-            return whole
-        dispatch = self._dispatch(dataclasses.replace(req, max_tokens=1), p, decision.matched_tokens.get(p, 0))
-        state = decision.loads.get(p)
-        t0 = time.perf_counter()
-        try:
-            got = self.engines.engine(p).generate(dataclasses.replace(
-                job, request_id=job.request_id + job.n, max_tokens=1, n=1, fields=prefill_fields(job.fields)))
-        except RankDiedError as e:
-            self._lost(e)
-            return whole
-        except (OutOfBlocksError, RankBusyError, EngineRefusedError) as e:
-            if isinstance(e, EngineRefusedError) and e.status < 500:
-                raise   # the decode server would refuse it as well
-            logger.info("prefill server rank %d cannot take the request now (%s); rank %d serves it whole", p, e,
-                        split.whole_rank)
-            return whole
-        finally:
-            self._finished(dispatch)
-        prefill_s = time.perf_counter() - t0
-        self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, prefill_s,
-                      state.queued_prefill_tokens if state is not None else 0)
+        p, d = decision.split.prefill_rank, decision.rank
+        prefilled = None if job.responses else self._prefill(req, decision, dataclasses.replace(
+            job, request_id=job.request_id + job.n, max_tokens=1, n=1, fields=prefill_fields(job.fields)))
+        if prefilled is None:
+            return Placement(dataclasses.replace(decision, rank=decision.split.whole_rank, split=None))
+        answer, prefill_s = prefilled
         size = self.feed.index.block_size(d)
         handed = max(0, (len(req.tokens) - 1) // size - decision.matched_tokens.get(d, 0) // size)
         return Placement(decision, handed, p, prefill_s,
-                         job=dataclasses.replace(job, fields=decode_fields(job.fields, got.answer)))
+                         job=dataclasses.replace(job, fields=decode_fields(job.fields, answer)))
 
     def _dispatch(self, req: RouteRequest, rank: int, predicted: int) -> Dispatch:
         tpb = self.feed.index.block_size(rank)

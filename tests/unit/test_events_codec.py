@@ -190,7 +190,7 @@ BAD_BY_FIELD: dict[str, list[object]] = {
     "block_hashes": [None, 1, "ab", {}, [-1], [True], [1.5], ["h"], [None], [b""], [[1]], [-(2**63)]],
     "parent_block_hash": [-1, True, False, 1.5, "h", b"", [], -(2**63)],
     "token_ids": [None, 3, "abc", [-1], [True], [1.0], [None], ["a"], [b"x"], [[1]]],
-    "block_size": [0, -4, True, 4.0, "4", None, [4]],
+    "block_size": [-4, True, 4.0, "4", None, [4]],   # 0 is vLLM's offloading naming hashes only
     "lora_id": [-1, True, 1.5, "1", [1]],
     "medium": ["gpu", "", "HBM", 1, True, b"GPU", ["GPU"]],
     "lora_name": [1, True, b"name", ["n"]],

@@ -26,20 +26,22 @@ from kvledger.router.vllm_onboard import OnboardMeter
 from kvledger.router.vllm_server import engine_load
 
 STREAM = Path(__file__).resolve().parent.parent / "data" / "vllm_tier_events.msgpack"
+RAW_STREAM = STREAM.with_name("vllm_tier_events_raw.msgpack")
 BLOCK = 32
 PROMPT = [1, *range(3, 3 + 2 * BLOCK - 1)] + [7]   # the recorded blocks' 64 tokens, then one more
 POLL_MS = 5000
 
 
 @pytest.fixture
-def indexed():
-    """A router indexing one engine's recorded stream (indexed only, not routed to), and a way to feed it."""
+def indexed(request):
+    """A router indexing one engine's recorded stream (``STREAM``, or the one the test's parameter names; indexed
+    only, not routed to), and a way to feed it."""
     pub = FakeVllmPublisher()
     service = RouterService(None, RouterConfig(tokens_per_block=16))
     rank = service.feed.attach_vllm(f"tcp://127.0.0.1:{pub.pub_port}", f"tcp://127.0.0.1:{pub.replay_port}",
                                     block_size=BLOCK)
     pub.wait_subscribed()
-    batches = iter(msgpack.unpackb(STREAM.read_bytes()))
+    batches = iter(msgpack.unpackb(getattr(request, "param", STREAM).read_bytes()))
 
     def next_batch() -> dict[int, RankProbe]:
         seq = pub.publish_payload(next(batches))
@@ -67,6 +69,21 @@ def test_offloaded_blocks_are_the_engines_host_tier_and_the_probe_splits_tokens_
     assert service.feed.index.stats.snapshots_loaded == 0, "and the engine's view never diverged"
     foreign = service.report(refresh=False).foreign
     assert [(f.rank, f.index_blocks, f.host_blocks) for f in foreign] == [(rank, 1, 1)]
+
+
+@pytest.mark.parametrize("indexed", [RAW_STREAM], indirect=True)
+def test_offloaded_hashes_without_tokens_are_host_copies_of_the_blocks_the_engine_holds(indexed) -> None:
+    """Without ``self_describing_kv_events`` a host store names a hash only (block size 0): the copy of a block
+    the device stored counts on the host tier; one of a hash never stored is skipped and counted, and the rest
+    of its batch is applied."""
+    service, rank, next_batch = indexed
+    assert next_batch()[rank] == RankProbe(64, 64, 0), "computed on the device"
+    assert next_batch()[rank] == RankProbe(64, 64, 0), "offloaded too: still on the device"
+    assert service.feed.rejections.by_rank()[rank] == {UNKNOWN_HASH: 1}, "the copy of a hash never stored"
+    assert next_batch()[rank] == RankProbe(64, 0, 64), "evicted from the device: on the host tier only"
+    assert next_batch()[rank] == RankProbe(32, 0, 32), "the second block evicted from the host too"
+    assert service.feed.rejections.by_rank()[rank] == {UNKNOWN_HASH: 2}
+    assert "malformed" not in service.feed.rejections.by_rank()[rank]
 
 
 def route(onboard: float | None) -> int:

@@ -234,7 +234,7 @@ _CHECKS: dict[str, _Check] = {
     "block_hashes": _hash_list,
     "parent_block_hash": _opt_hash,
     "token_ids": _token_list,
-    "block_size": _positive_int,
+    "block_size": _count,   # 0: vLLM's offloading names stored hashes only (no tokens, no size)
     "lora_id": _opt_count,
     "medium": check_medium,
     "lora_name": _opt_str,
@@ -389,7 +389,7 @@ _TYPES: dict[str, object] = {
     "block_hashes": list[_Nat],
     "parent_block_hash": Union[_Nat, None],
     "token_ids": list[_Nat],
-    "block_size": Annotated[int, msgspec.Meta(gt=0)],
+    "block_size": _Nat,
     "lora_id": Union[_Nat, None],
     "medium": _MediumType,
     "lora_name": Union[str, None],

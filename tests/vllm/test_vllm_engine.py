@@ -1,8 +1,9 @@
 """Two real vLLM engines (block sizes 32 and 64; one publisher binds, one connects): what the router relies on.
 
 Their HTTP API (token-id completions, delivered ``cached_tokens``, ``/v1/models``, ``/metrics``, ``/tokenize``,
-``/reset_prefix_cache``) and their ZMQ KV events, decoded by kvledger's codec, live and replayed. Every prompt
-starts with a token no other prompt of the module starts with, so no test finds another's cached blocks.
+``/reset_prefix_cache``) and their ZMQ KV events, decoded by kvledger's codec, live and replayed. The servers are
+the session's (``vllm_servers``): every prompt starts with a token no other prompt sent to them starts with, so
+no test finds another's cached blocks.
 """
 from __future__ import annotations
 

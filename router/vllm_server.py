@@ -141,11 +141,20 @@ class VllmServer:
         self._http.close()
         self._pool.close()
 
-    def _get(self, path: str) -> httpx.Response:
+    def _fetch(self, path: str, **kwargs: object) -> httpx.Response:
+        """``GET path``; ``EngineUnreachableError`` if the server does not answer. A kept-alive connection the
+        server closes as the request goes out (uvicorn drops idle ones after 5 s) is met by sending the GET once
+        more, on a fresh connection: it changes nothing on the server."""
         try:
-            r = self._http.get(path)
+            try:
+                return self._http.get(path, **kwargs)
+            except httpx.RemoteProtocolError:
+                return self._http.get(path, **kwargs)
         except httpx.TransportError as e:
             raise EngineUnreachableError(f"vLLM server {self.url}: GET {path}: {e!r}") from e
+
+    def _get(self, path: str) -> httpx.Response:
+        r = self._fetch(path)
         r.raise_for_status()
         return r
 
@@ -158,8 +167,8 @@ class VllmServer:
     def healthy(self) -> bool:
         """Whether ``GET /health`` answers 200."""
         try:
-            return self._http.get("/health").status_code == 200
-        except httpx.TransportError:
+            return self._fetch("/health").status_code == 200
+        except EngineUnreachableError:
             return False
 
     def discover(self) -> VllmServerInfo:
@@ -180,18 +189,12 @@ class VllmServer:
     def kv_connector(self) -> KvConnector | None:
         """The KV connector it runs, with its name and role when it serves ``/server_info``
         (``VLLM_SERVER_DEV_MODE=1``), else as far as its metrics show; ``None``: it runs none."""
-        try:
-            r = self._http.get("/server_info", params={"config_format": "json"}, timeout=httpx.Timeout(60.0))
-        except httpx.TransportError as e:
-            raise EngineUnreachableError(f"vLLM server {self.url}: GET /server_info: {e!r}") from e
+        r = self._fetch("/server_info", params={"config_format": "json"}, timeout=httpx.Timeout(60.0))
         described = r.json() if r.status_code == 200 else None
         return connector_of(described, set() if described else _metric_names(self._get("/metrics").text))
 
     def _has_event_sources(self) -> bool:
-        try:
-            return self._http.get("/kv_event_sources").status_code == 200
-        except httpx.TransportError as e:
-            raise EngineUnreachableError(f"vLLM server {self.url}: GET /kv_event_sources: {e!r}") from e
+        return self._fetch("/kv_event_sources").status_code == 200
 
     def load(self) -> EngineLoad:
         """Its queue, KV usage and host-tier onboarding from ``/metrics`` (``engine_load``)."""

@@ -18,8 +18,10 @@ the priors until two sizes were seen).
 The KV moves on a ``Link``: own ranks migrate blocks over ``torch.distributed``; vLLM servers hand them over
 through their KV connector (``router.kv_connector``), whose transfer is inside the two requests the router sends
 (the prefill server's keeping of the KV, the decode server's taking it), so it is counted in the ranks' learned
-rates, not apart. A prefill rank pairs only with serving ranks on its own link. A prompt whose uncached part on the whole rank is shorter than
-``min_split_tokens`` is never split: it is not worth moving. In mode ``always`` every longer one is.
+rates, not apart. A prefill rank pairs only with serving ranks on its own link.
+
+A prompt whose uncached part on the whole rank is shorter than ``min_split_tokens`` is never split: it is not
+worth moving. In mode ``always`` every longer one is.
 """
 from __future__ import annotations
 

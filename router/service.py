@@ -154,17 +154,15 @@ class RouterService:
         """A prefill server must run a KV connector that keeps what it computes for another server; else the
         engines are closed and the error says how to start one."""
         try:
-            connector = engines[0].server.kv_connector()
+            connector = engines[0].server.kv_connector(engines[0].info().connector)
+            if connector is None or not connector.produces:
+                runs = "no KV connector" if connector is None else f"{connector.name} as {connector.role}"
+                raise ValueError(f"vLLM server {url} cannot prefill for another server: it runs {runs}; start it "
+                                 f"with {EXAMPLE_FLAG} (or NixlConnector, role kv_producer or kv_both)")
         except BaseException:
             for engine in engines:
                 engine.close()
             raise
-        if connector is None or not connector.produces:
-            for engine in engines:
-                engine.close()
-            runs = "no KV connector" if connector is None else f"{connector.name} as {connector.role}"
-            raise ValueError(f"vLLM server {url} cannot prefill for another server: it runs {runs}; start it with "
-                             f"{EXAMPLE_FLAG} (or NixlConnector, role kv_producer or kv_both)")
 
     def _link(self, rank: int) -> Link | None:
         """The path a split's KV takes to or from ``rank`` (``router.disaggregation``); ``None``: it is never

@@ -186,12 +186,12 @@ class VllmServer:
                               _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks"), events, dp_ranks,
                               connector_of(None, _metric_names(metrics)))
 
-    def kv_connector(self) -> KvConnector | None:
+    def kv_connector(self, seen: KvConnector | None) -> KvConnector | None:
         """The KV connector it runs, with its name and role when it serves ``/server_info``
-        (``VLLM_SERVER_DEV_MODE=1``), else as far as its metrics show; ``None``: it runs none."""
+        (``VLLM_SERVER_DEV_MODE=1``), else ``seen`` (what ``discover`` read from its metrics); ``None``: it runs
+        none."""
         r = self._fetch("/server_info", params={"config_format": "json"}, timeout=httpx.Timeout(60.0))
-        described = r.json() if r.status_code == 200 else None
-        return connector_of(described, set() if described else _metric_names(self._get("/metrics").text))
+        return connector_of(r.json(), set()) if r.status_code == 200 else seen
 
     def _has_event_sources(self) -> bool:
         return self._fetch("/kv_event_sources").status_code == 200

@@ -98,7 +98,6 @@ def test_a_split_prompt_is_computed_on_the_prefill_server_and_decoded_from_its_k
     after = {name: (counter(prefill, name) - p0, counter(decode, name) - d0) for name, (p0, d0) in before.items()}
     kv = got["kvledger"]
     assert (kv["rank"], kv["phases"]["prefill_rank"]) == (d, p)
-    assert kv["phases"]["prefill_s"] > 0
     handed = 299 // BLOCK * BLOCK
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == handed
     assert after == {"vllm:external_prefix_cache_hits_total": (0, handed), "vllm:prefix_cache_hits_total": (0, 0),

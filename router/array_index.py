@@ -26,7 +26,8 @@ from kvledger.router import index_kernels as k
 from kvledger.router.index import FlatStore, T, as_pair, check_rank, diverged, is_move
 from kvledger.router.rank_bits import RankBits
 from kvledger.router.refs import DEV_MASK, tier_unit
-from kvledger.worker.wire.events import EVENT_CLASS, BlockRemoved, BlockStored, BlockUpdated
+from kvledger.worker.wire.events import (EVENT_CLASS, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
+                                         decode_view, encode_batch)
 
 logger = logging.getLogger(__name__)
 
@@ -260,9 +261,10 @@ _WARM_WIDE_RANK = 100
 
 @functools.cache
 def warm_kernels() -> None:
-    """Compile (or load from the disk cache) every kernel now, on a throwaway store, so that no batch or probe
-    of the router's pays for it; once a process."""
+    """Compile (or load from the disk cache) every kernel now, on a throwaway store and batch, so that no batch
+    or probe of the router's pays for it; once a process."""
     logger.info("compiling the index kernels (once; cached on disk)")
+    decode_view(encode_batch(EventBatch(0.0, [BlockStored([1], None, [1], 1)])))   # the token ids' check
     store = ArrayIndex(1)
     store.apply(0, [BlockStored([1, 2], None, [], 1), BlockRemoved([3])])
     many = list(range(10, 10 + _WARM_BLOCKS))   # past the first sizes: the tables' rehash and the masks' rebuild too

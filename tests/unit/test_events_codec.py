@@ -4,13 +4,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import struct
+from typing import Annotated
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.worker.wire import events as events_module
+from kvledger.worker.wire.int_arrays import all_non_negative_int_arrays
 from kvledger.worker.wire.events import (EVENT_CLASS, AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated,
                                          EventBatch, EventDecodeError, KVCacheCreated, KVEvent, decode_batch,
                                          decode_view, encode_batch)
@@ -449,9 +453,10 @@ def test_typed_decoder_and_checked_decoder_agree(value: list[object]) -> None:
     try:
         checked = events_module._decode_checked(data)
     except EventDecodeError as e:
-        with pytest.raises(EventDecodeError) as fast:
-            decode_batch(data)
-        assert str(fast.value) == str(e)
+        for decode in (decode_batch, decode_view):
+            with pytest.raises(EventDecodeError) as fast:
+                decode(data)
+            assert str(fast.value) == str(e)
         return
     assert decode_batch(data) == checked
     assert view_as_batch(data) == checked
@@ -471,6 +476,82 @@ def test_view_checks_token_ids_as_decode_batch_does() -> None:
         with pytest.raises(EventDecodeError, match="token_ids"):
             decode_view(data)
     assert [EVENT_CLASS[type(e)] for e in decode_view(wire([0.0, [good], 0])).events] == [BlockStored]
+
+
+#: Items of a token array in any encoding a writer may pick: every int format that can hold a non-negative value
+#: (the signed ones too), and what is no token id (negative ints in every signed format, other types).
+_INT_FORMATS = [(0xCC, "B"), (0xCD, ">H"), (0xCE, ">I"), (0xCF, ">Q"), (0xD0, "b"), (0xD1, ">h"), (0xD2, ">i"),
+                (0xD3, ">q")]
+_SIGNED = [f for f in _INT_FORMATS if f[0] >= 0xD0]
+token_ids_as_written = st.one_of(
+    st.integers(0, 0x7F).map(lambda v: bytes([v])),                  # positive fixint
+    st.sampled_from(_INT_FORMATS).flatmap(lambda f: st.integers(0, _format_range(f[1])[1]).map(
+        lambda v: bytes([f[0]]) + struct.pack(f[1], v))),
+)
+not_token_ids = st.one_of(
+    st.integers(-32, -1).map(lambda v: struct.pack("b", v)),         # negative fixint
+    st.sampled_from(_SIGNED).flatmap(lambda f: st.integers(_format_range(f[1])[0], -1).map(
+        lambda v: bytes([f[0]]) + struct.pack(f[1], v))),
+    st.sampled_from([b"\xc0", b"\xc2", b"\xc3", b"\xca\x00\x00\x00\x00", b"\xa1a", b"\x90", b"\x80"]),
+)
+
+
+def _format_range(fmt: str) -> tuple[int, int]:
+    bits = struct.calcsize(fmt) * 8
+    return (0, 2**bits - 1) if fmt.lstrip(">").isupper() else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+
+
+def _array_header(n: int, wide: int) -> bytes:
+    """A msgpack array header for ``n`` items: the shortest form, or array 16 / array 32 when ``wide`` says so."""
+    if wide == 0 and n < 16:
+        return bytes([0x90 | n])
+    return b"\xdc" + struct.pack(">H", n) if wide < 2 and n < 2**16 else b"\xdd" + struct.pack(">I", n)
+
+
+def _with_raw_tokens(raw: bytes) -> bytes:
+    """A one-event batch whose BlockStored carries ``raw`` as its token ids, as written."""
+    event = event_maps(EventBatch(0.0, [make_stored()]))[0]
+    body = b"".join(wire(k) + (raw if k == "token_ids" else wire(v)) for k, v in event.items())
+    return b"\x93" + wire(0.0) + b"\x91" + bytes([0x80 | len(event)]) + body + wire(0)
+
+
+_TOKEN_LIST = msgspec.msgpack.Decoder(list[Annotated[int, msgspec.Meta(ge=0)]])
+
+
+@FAST
+@given(st.lists(token_ids_as_written, max_size=40), st.none() | st.tuples(not_token_ids, st.integers(0, 40)),
+       st.integers(0, 2))
+def test_view_refuses_exactly_the_token_ids_decode_batch_refuses(tokens: list[bytes], bad: tuple[bytes, int] | None,
+                                                                wide: int) -> None:
+    """The view's compiled check of raw token ids against msgspec's ``list[int >= 0]`` and ``decode_batch``'s
+    checks, over every msgpack int encoding (a false refusal would only cost time, so it is checked alone too)."""
+    if bad is not None:
+        tokens.insert(bad[1], bad[0])
+    raw = _array_header(len(tokens), wide) + b"".join(tokens)
+    try:
+        _TOKEN_LIST.decode(raw)
+        typed = True
+    except msgspec.ValidationError:
+        typed = False
+    assert all_non_negative_int_arrays(raw, 1) is typed
+    data = _with_raw_tokens(raw)
+    try:
+        whole = decode_batch(data)
+    except EventDecodeError as e:
+        with pytest.raises(EventDecodeError) as view:
+            decode_view(data)
+        assert str(view.value) == str(e) and "token_ids" in str(e)
+        return
+    assert view_as_batch(data) == whole
+
+
+def test_the_token_check_wants_exactly_the_arrays_it_is_told_of() -> None:
+    two = wire([1, 2]) + wire([300, 70000, 2**40])
+    assert all_non_negative_int_arrays(two, 2)
+    assert not all_non_negative_int_arrays(two, 1), "bytes past the arrays named"
+    assert not all_non_negative_int_arrays(two, 3), "an array short"
+    assert not all_non_negative_int_arrays(two[:-1], 2), "the last int cut"
+    assert all_non_negative_int_arrays(b"", 0)
 
 
 @pytest.mark.parametrize("data", [VLLM_MAP, VLLM_ARRAY], ids=["map", "array"])

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kvledger.router import index_kernels
+from kvledger.worker.wire import int_arrays
 from kvledger.router.array_index import ArrayIndex, warm_kernels
 from kvledger.router.groups import WindowedArrayIndex, WindowedIndex
 from kvledger.router.index import PrefixIndex, as_pair
@@ -162,5 +163,6 @@ def test_warming_compiles_the_kernels_once_and_says_so(caplog):
         warm_kernels()
     assert [r.getMessage() for r in caplog.records].count("compiling the index kernels (once; cached on disk)") == 1
     for kernel in (index_kernels.rehash, index_kernels.rebuild_masks, index_kernels.apply_ops,
-                   index_kernels.match_walk):   # a store's first growth compiles nothing mid-request
+                   index_kernels.match_walk,   # a store's first growth compiles nothing mid-request
+                   int_arrays._all_non_negative):   # nor a batch's token ids
         assert kernel.signatures, kernel

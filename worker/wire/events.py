@@ -11,12 +11,14 @@ Decoding is msgspec's typed decoder first (the map layout, every field checked
 in C), and the field-by-field decoder for whatever it refuses: the array
 layout, hashes sent as bytes, and every malformed batch, so an error message is
 the same whichever path saw the bytes first. ``decode_view`` is the router
-index's decode: the same checks, except that token ids (which the index never
-reads) are only checked to be an array, since decoding them costs as much as
-the rest of the apply.
+index's decode: the same checks and errors, but token ids (which the index
+never reads) stay msgpack, checked by a compiled walk of their bytes
+(``int_arrays``), since building them into ints cost as much as the rest of
+the apply.
 """
 from __future__ import annotations
 
+import functools
 import math
 import reprlib
 from collections.abc import Callable
@@ -430,7 +432,6 @@ _WIRE: dict[type[KVEvent], type[msgspec.Struct]] = {k.cls: _wire_struct(k.cls, l
 _STORED_VIEW = _wire_struct(BlockStored, msgspec.Raw)
 _DECODER = _batch_decoder(list(_WIRE.values()))
 _VIEW_DECODER = _batch_decoder([_STORED_VIEW if cls is BlockStored else s for cls, s in _WIRE.items()])
-_TOKENS = msgspec.msgpack.Decoder(list[_Nat])
 
 #: The event class each decoded struct stands for, and each event class itself: what a reader of
 #: ``decode_view`` dispatches on.
@@ -467,19 +468,30 @@ def decode_batch(data: bytes) -> EventBatch:
 
 def decode_view(data: bytes) -> BatchView:
     """``decode_batch``'s checks and errors, but with token ids left as msgpack (see ``BatchView``): they are
-    checked (an array of non-negative ints, as ``decode_batch`` wants) and dropped, never built into a list."""
+    checked (arrays of non-negative ints, as ``decode_batch`` wants) by one compiled pass over the batch's, and
+    never built into lists."""
     _check_bytes(data)
     try:
         wire = _VIEW_DECODER.decode(data)
-        for e in wire.events:
-            if type(e) is _STORED_VIEW:
-                _TOKENS.decode(e.token_ids)
     except msgspec.DecodeError:
         wire = None
-    if wire is None or wire.excess or not math.isfinite(wire.ts):
+    if wire is None or wire.excess or not math.isfinite(wire.ts) or not _tokens_ok(wire.events):
         checked = _decode_checked(data)
         return BatchView(checked.ts, list(checked.events), checked.rank)
     return BatchView(wire.ts, wire.events, wire.rank)
+
+
+@functools.cache
+def _int_arrays() -> Callable[[bytes, int], bool]:
+    """The compiled token check, imported on the first view decoded: only the router loads numba."""
+    from kvledger.worker.wire.int_arrays import all_non_negative_int_arrays
+    return all_non_negative_int_arrays
+
+
+def _tokens_ok(events: list[object]) -> bool:
+    """Whether every stored event's raw token ids are non-negative ints, in one compiled pass over them all."""
+    raws = [e.token_ids for e in events if type(e) is _STORED_VIEW]
+    return not raws or _int_arrays()(b"".join(raws), len(raws))
 
 
 def _check_bytes(data: object) -> None:

@@ -36,10 +36,11 @@ import numpy as np
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
-from bench_routers import BLOCK, RouterProcess
+from bench_routers import BLOCK, RouterProcess, start_router
+from kvledger.replay.peers import event_endpoints
 from vllm_engines import start_bench_servers
 
-#: The routers behind the server, as ``bench_routers.RouterProcess`` names them.
+#: The routers behind the server, as ``bench_routers.start_router`` names them.
 PEERS = ("sglang-router cache_aware", "vllm-router kv_aware")
 HTTP_TIMEOUT_S = 60.0
 WARMUP = 20
@@ -138,13 +139,13 @@ def main() -> None:
             url = args.vllm or servers[0].url
             with httpx.Client(timeout=10.0) as c:
                 model = c.get(f"{url}/v1/models").json()["data"][0]["id"]
-                event = c.get(f"{url}/kv_event_sources").json()["0"]["endpoint"].replace("*", "127.0.0.1")
+            event, = event_endpoints([url])
             print(f"one vLLM server at {url}, engine on core {core}; {args.requests} sequential completions "
                   f"(max_tokens 1), {args.burst} at {args.concurrency} in flight, per target", flush=True)
             routers: list[RouterProcess] = []
             try:
                 for name in ("kvledger kv", *(() if args.no_peers else PEERS)):
-                    routers.append(RouterProcess(name, [url], [event], model))
+                    routers.append(start_router(name, [url], [event], model))
                 targets = [("direct", url), *((r.name, r.url) for r in routers)]
                 rounds = []
                 for i in range(args.rounds):

@@ -195,6 +195,24 @@ def test_kv_stays_on_the_holder_when_it_is_not_overloaded_or_migration_is_off():
     assert (d.rank, d.migrate_from) == (1, None)
 
 
+def test_kv_weighs_compute_by_the_backlog_when_every_rank_has_a_queue():
+    """Under a burst every rank has a queue, and what one computes delays the requests waiting behind it: a request
+    waits on the rank holding its prefix for a queue gap (60 ms) that its own time to first token alone (42 ms
+    recomputed elsewhere) would not wait for. One rank without a queue makes the factor 1 again."""
+    cost = dataclasses.replace(COST, allow_migration=False)
+    busy = [RankState(0, queued_prefill_tokens=100, queued_requests=3),
+            RankState(1, queued_prefill_tokens=40, queued_requests=2)]
+    d = KvPolicy(cost).route(req(PROMPT41), busy, {0: held(10)})
+    backlog = 1 + cost.backlog_weight * 2
+    assert d.scores == pytest.approx({0: 100e-3 + 2e-3 * backlog, 1: 40e-3 + 42e-3 * backlog})
+    assert d.rank == 0
+    own_time_only = dataclasses.replace(cost, backlog_weight=0.0)
+    assert KvPolicy(own_time_only).route(req(PROMPT41), busy, {0: held(10)}).rank == 1
+    idle = [busy[0], RankState(1)]
+    d = KvPolicy(cost).route(req(PROMPT41), idle, {0: held(10)})
+    assert d.scores == pytest.approx({0: 100e-3 + 2e-3, 1: 42e-3}) and d.rank == 1
+
+
 def test_kv_never_migrates_to_or_from_a_rank_kv_cannot_move_to_and_counts_its_tokens_at_its_block_size():
     vllm_busy = [dataclasses.replace(BUSY[0], migratable=False), *BUSY[1:]]
     d = KvPolicy(COST).route(req(PROMPT41), vllm_busy, {0: held(10), 2: held(3)})

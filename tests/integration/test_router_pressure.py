@@ -100,8 +100,10 @@ def routed(request, ray_session):
                         name_prefix=f"{PREFIX}-{request.param}", group_timeout_s=30, call_timeout_s=TIMEOUT,
                         max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_STEP_TOKENS, max_queued_requests=ASKS)
     cluster = Cluster.start(cfg)
-    # migrations cheap enough that the policy pulls prefixes to the less loaded rank: imports under a batch
-    router = RouterConfig(tokens_per_block=T, policy="kv", policy_options={"migrate_setup_s": 0.0},
+    # migrations cheap enough that the policy pulls prefixes to the less loaded rank: imports under a batch. The
+    # burst queues every rank, where kv's backlog term would keep each prefix on its holder: off, so that it moves
+    router = RouterConfig(tokens_per_block=T, policy="kv",
+                          policy_options={"migrate_setup_s": 0.0, "backlog_weight": 0.0},
                           max_inflight_completions=ASKS, max_queued_completions=ASKS)
     handle, url = start_router(cluster, RouterActorConfig(port=0, router=router), name=f"{cfg.name_prefix}-router")
     try:

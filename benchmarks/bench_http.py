@@ -122,9 +122,10 @@ def report(rounds: list[list[Figures]], concurrency: int) -> None:
 
     added = paired(1, lambda f, d: f.p50_ms - d.p50_ms)
     share = paired(1, lambda f, d: f.req_s / d.req_s)
+    verdict = "met" if share >= THROUGHPUT_GOAL else "NOT met"
     print(f"kvledger, paired with direct in each of {len(rounds)} rounds (medians): +{added:.2f} ms at p50, / goal "
           f"{added / ADDED_MS_GOAL:.2f} (goal <= {ADDED_MS_GOAL:g} ms: ratio <= 1); {share:.2f} of direct's req/s at "
-          f"{concurrency} in flight (goal >= {THROUGHPUT_GOAL:.2f}: {'met' if share >= THROUGHPUT_GOAL else 'NOT met'})")
+          f"{concurrency} in flight (goal >= {THROUGHPUT_GOAL:.2f}: {verdict})")
     if len(results) > 2:
         best = min(range(2, len(results)), key=lambda i: results[i].p50_ms)
         over = statistics.median(r[1].p50_ms - r[best].p50_ms for r in rounds)   # its addition less the peer's

@@ -133,6 +133,9 @@ class BenchConfig:
     load_report_s: float = 0.0
     """How often the simulated routers read the ranks' load reports (with ``routers`` above 1: the live router's
     health round; 0: never)."""
+    slowdown: tuple[float, ...] = ()
+    """``engine="sim"``: per rank, from rank 0 (one flag each), how many times its prefill takes (another tenant on
+    its GPU); the rest run at 1. The routers see it only in the queues it builds (``SimConfig.slowdown``)."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "routers"):
@@ -147,6 +150,9 @@ class BenchConfig:
             raise ValueError("--engine vllm replays through vLLM servers: give each with --vllm URL (and only then)")
         if self.peer and self.engine != "vllm":
             raise ValueError("--peer runs a peer router in front of vLLM servers: it needs --engine vllm")
+        if self.slowdown and self.engine != "sim":
+            raise ValueError("--slowdown slows simulated ranks: it needs --engine sim (slow a real engine with "
+                             "another tenant's load, as benchmarks/bench_routers.py --slow does)")
         parse_peers(self.peer)
         if self.policy != "all":
             for name in self.policy.split(","):

@@ -136,6 +136,9 @@ class SimConfig:
     """Simulated seconds from a rank's publishing a batch to every replica's index applying it."""
     load_report_s: float = 0.0
     """How often the ranks' load reports are taken for the routers (0: never; the routers' own accounts only)."""
+    slowdown: tuple[float, ...] = ()
+    """Per rank, how many times its prefill takes the costs' time (another tenant's work on its GPU); ranks past
+    the tuple's end run at 1. The routers learn it only from the queues it builds."""
 
     def __post_init__(self) -> None:
         if type(self.ranks) is not int or self.ranks < 1:
@@ -154,6 +157,14 @@ class SimConfig:
             v = getattr(self, name)
             if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.slowdown, tuple) or len(self.slowdown) > self.ranks or any(
+                type(v) not in (int, float) or not math.isfinite(v) or v < 1 for v in self.slowdown):
+            raise ValueError(f"slowdown must be a tuple of at most {self.ranks} (ranks) finite numbers >= 1, "
+                             f"got {self.slowdown!r}")
+
+    def slowed(self, rank: int) -> float:
+        """How many times rank ``rank``'s prefill takes the costs' time (``slowdown``)."""
+        return self.slowdown[rank] if rank < len(self.slowdown) else 1.0
 
     def rank_blocks(self, rank: int, total: int) -> int:
         base, extra = divmod(total, self.ranks)
@@ -472,7 +483,7 @@ class Simulator:
         self._publish(rank)
         job.cached, job.onboarded, job.migrated = cached, adm.onboarded_blocks, moved
         computed = req.input_length - cached
-        duration = computed * self.prefill_s + adm.onboarded_blocks * self.onboard_s
+        duration = computed * self.prefill_s * self.config.slowed(rank.rank) + adm.onboarded_blocks * self.onboard_s
         if moved:
             duration += self.config.costs.migrate_setup_s + moved * self.migrate_s
         job.start, job.duration = self.now, duration

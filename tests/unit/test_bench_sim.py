@@ -17,7 +17,7 @@ from kvledger.replay.config import BenchConfig
 from kvledger.replay.replicas import replica_counts
 from kvledger.replay.runner import run
 from kvledger.replay.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
-from kvledger.replay.trace import (BlockChains, SyntheticConfig, TraceRequest, expand_tokens, generate_synthetic,
+from kvledger.replay.trace import (BlockChains, SyntheticConfig, Trace, TraceRequest, expand_tokens, generate_synthetic,
                                    load_mooncake, request_tokens, write_trace)
 from kvledger.router.policies import policy_names
 from kvledger.router.probe import prompt_hashes
@@ -283,6 +283,9 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     (("--capacity-blocks", "1", "--ranks", "4"), "raise --capacity-blocks"),
     (("--decode-s-per-token", "-1"), "decode_s_per_token"),
     (("--engine", "tiny", "--routers", "2"), r"--routers 2 is measured in the simulator \(--engine sim\)"),
+    (("--engine", "tiny", "--slowdown", "3"), r"--slowdown slows simulated ranks: it needs --engine sim"),
+    (("--ranks", "2", *("--slowdown", "2") * 3), r"slowdown must be a tuple of at most 2"),
+    (("--slowdown", "0.5"), r"finite numbers >= 1"),
 ])
 def test_cli_rejects_bad_input_clearly(tmp_path, capsys, argv, message):
     rc = run_bench(parse("--limit", "20", "--quiet", "--json", str(tmp_path / "x.json"), *argv))
@@ -341,6 +344,23 @@ def test_bench_flags_keep_their_defaults_and_meanings():
     assert (got.capacity_blocks, got.host_blocks) == (20, 6), "the flags count per rank, the config the cluster"
     assert not got.migration and got.partial_reuse and got.costs.kv_bytes_per_token == 1024
     assert got.tiny.concurrency == 2 and got.vllm == ("http://a:1", "http://b:2")
+    assert config("--ranks", "2", "--slowdown", "3", "--slowdown", "1.5").slowdown == (3.0, 1.5)
+
+
+def test_a_slowed_rank_takes_its_factor_of_every_prefill_and_the_queue_it_builds_moves_work_away():
+    # one request at a time, far apart: each takes the costs' prefill on its rank, three times it on rank 0
+    spaced = [TraceRequest(10.0 * i, 512, 0, (i,)) for i in range(8)]
+    sim = SimConfig(ranks=2, capacity_blocks=64, tokens_per_block=TPB, slowdown=(3.0,))
+    r = simulate(Trace("spaced", 512, spaced), "round_robin", sim)
+    prefill = 512 * SimCosts().prefill_s_per_token
+    assert np.allclose(r.ttft_s, [3 * prefill if rank == 0 else prefill for rank in r.rank])
+    assert set(r.rank) == {0, 1}
+    # prompts that share nothing, faster than the two ranks serve them: kv sees the slowed rank's queue grow and
+    # gives it less of the work
+    burst = Trace("burst", 512, [TraceRequest(0.02 * i, 512, 0, (100 + i,)) for i in range(60)])
+    kv = simulate(burst, "kv", sim)
+    assert (kv.rank == 0).sum() < (kv.rank == 1).sum()
+    assert kv.makespan_s < simulate(burst, "round_robin", sim).makespan_s
 
 
 def test_mooncake_replays_at_its_block_size():

@@ -380,6 +380,7 @@ class RouterService:
                         chunks = engine.stream(job)
                         first = next(chunks)
                         first_s = time.perf_counter() - t0
+                        self._prefilled(dispatch)
                     else:
                         got = engine.generate(job)
                 except RankDiedError as e:
@@ -584,6 +585,12 @@ class RouterService:
             d = self.account.dispatch(rank, len(req.tokens) - predicted, -(-(len(req.tokens) + req.max_tokens) // tpb))
             self._tell("dispatched", d)
             return d
+
+    def _prefilled(self, dispatch: Dispatch) -> None:
+        """A stream's first chunk is in: its prompt is computed, so it stops counting as prefill queued on its rank
+        (the policies' load) and runs there, decoding."""
+        with self._lock:
+            self.account.prefilled(dispatch)
 
     def _finished(self, dispatch: Dispatch) -> None:
         with self._lock:

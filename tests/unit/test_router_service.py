@@ -63,6 +63,18 @@ def test_shared_prefix_goes_where_it_is_cached_and_reuses_it():
     assert busy.blocks["GPU"].free == 48 and busy.cache_hit_rate > 0
 
 
+def test_a_stream_stops_counting_as_queued_prefill_once_its_first_chunk_is_in():
+    svc = make_service(make_backend())
+    events = svc.stream(list(range(1, 30)), max_tokens=6)
+    rank, _, _ = next(events)
+    # its prompt is computed: the policies see it decoding on its rank, no longer as prefill waiting there
+    s = svc.account.state(rank, svc.clock())
+    assert (s.queued_requests, s.queued_prefill_tokens, s.running_requests) == (0, 0, 1)
+    assert [ev for _, _, ev in events][-1] == "[DONE]"
+    s = svc.account.state(rank, svc.clock())
+    assert (s.queued_requests, s.queued_prefill_tokens, s.running_requests) == (0, 0, 0)
+
+
 def test_index_equals_the_ledgers_after_a_mixed_workload():
     """The issue's check: with no events in flight, probe(exact=False) == probe(exact=True)."""
     backend = make_backend(ranks=3, primary=40, secondary=12)

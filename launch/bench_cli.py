@@ -102,7 +102,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     flags = BenchFlags(
         bench=add_dataclass_flags(
             p, replicas, title="replay", exclude=("costs", "tiny", "capacity_blocks", "host_blocks"),
-            converters={"trace": Converter(str, metavar="FILE|synthetic|docs|powerlaw|unique"),
+            converters={"trace": Converter(str, metavar="FILE|synthetic|docs|powerlaw|conversation|agents|unique"),
                         "policy": Converter(str, metavar="NAME[,NAME...]|all"),
                         "engine": Converter(str, metavar="sim|tiny|vllm"), "vllm": Converter(str, metavar="URL"),
                         "peer": Converter(str, metavar="NAME[:POLICY]"),

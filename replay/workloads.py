@@ -1,4 +1,4 @@
-"""Named workloads that tell routers apart when the caches are full (``--trace docs|powerlaw|unique``).
+"""Named workloads that tell routers apart when the caches are full (``--trace docs|powerlaw|conversation|agents|unique``).
 
 Each is a seeded Mooncake-shaped trace (``replay.trace``) in blocks of the
 bench's block size:

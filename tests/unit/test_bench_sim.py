@@ -40,6 +40,17 @@ def result():
     return run(BenchConfig(policy="all", jobs=2, **SMALL))
 
 
+def test_the_trace_flag_names_every_workload():
+    """``--trace``'s metavar is written out (the CLI does not import the workloads, which pull in torch): it must
+    name each of them."""
+    from kvledger.replay.workloads import WORKLOADS
+    p = argparse.ArgumentParser(prog="kvledger")
+    sub = p.add_subparsers(dest="command", required=True)
+    bench = add_bench_parser(sub)
+    metavar, = (a.metavar for a in bench._actions if "--trace" in a.option_strings)
+    assert set(metavar.split("|")) == {"FILE", "synthetic", *WORKLOADS}
+
+
 # --- the replay -----------------------------------------------------------------------------------
 
 def test_every_policy_runs_every_request(result):

@@ -1,8 +1,8 @@
 """The router's hot path: what each router adds to a short completion, in front of one real vLLM server.
 
 One vLLM 0.32 CPU server on the tiny checkpoint (OpenMP bound to one core, the
-router and the client sharing the machine with it), reached in turn, one after
-the other in one run:
+router and the client sharing the machine with it), behind each router in
+turn, in one run:
 
 - ``direct``: the server itself (the baseline);
 - ``kvledger``: kvledger's router in a process of its own, as ``kvledger up --ranks 0 --vllm URL`` fronts the
@@ -13,9 +13,10 @@ the other in one run:
 For each: the sequential latency p50/p99 of text completions of ``max_tokens`` 1
 (each prompt its own), and what it adds over going direct; then requests per
 second with ``--concurrency`` in flight, and its ratio to direct. Every router
-is started first; then the targets are measured in turn, ``--rounds`` times
-(the machine is shared: a slow spell then falls on every target), and the
-medians are reported. The goals are printed as ratios beside them.
+is started first. In each of ``--rounds`` rounds the sequential requests go to
+the targets in turn, request by request (the machine is shared, and the
+server's own latency drifts by 2x over a run: a slow spell then falls on every
+target alike), then each target's burst runs; the medians are reported. The goals are printed as ratios beside them.
 
     python benchmarks/bench_http.py [--no-peers] [--vllm URL] [--requests 300] [--burst 1280] [--concurrency 64] [--rounds 5]
 """
@@ -65,17 +66,23 @@ def body(model: str, i: int) -> dict:
             "max_tokens": 1}
 
 
-def sequential(url: str, model: str, n: int) -> list[float]:
-    """``n`` completions one at a time: each one's latency in ms."""
-    out = []
-    with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S) as c:
+def sequential(targets: list[tuple[str, str]], model: str, n: int) -> dict[str, list[float]]:
+    """``n`` completions one at a time to each target, the targets taking turns request by request (a slow spell
+    of the shared machine, or the server's own drift, falls on all of them alike): each one's latencies in ms."""
+    out: dict[str, list[float]] = {name: [] for name, _ in targets}
+    clients = [(name, httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S)) for name, url in targets]
+    try:
         for i in range(WARMUP + n):
-            t0 = time.perf_counter()
-            r = c.post("/v1/completions", json=body(model, i))
-            ms = (time.perf_counter() - t0) * 1e3
-            r.raise_for_status()
-            if i >= WARMUP:
-                out.append(ms)
+            for name, c in clients:
+                t0 = time.perf_counter()
+                r = c.post("/v1/completions", json=body(model, i))
+                ms = (time.perf_counter() - t0) * 1e3
+                r.raise_for_status()
+                if i >= WARMUP:
+                    out[name].append(ms)
+    finally:
+        for _, c in clients:
+            c.close()
     return out
 
 
@@ -94,15 +101,20 @@ async def _burst(url: str, model: str, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def measure(name: str, url: str, model: str, args: argparse.Namespace) -> Figures:
-    """Sequential latency, then the rate at ``--concurrency`` in flight, after a burst that warms every
-    connection (and the router's threads) up."""
-    asyncio.run(_burst(url, model, WARMUP * args.concurrency // 4, args.concurrency))
-    lat = sequential(url, model, args.requests)
-    rate = asyncio.run(_burst(url, model, args.burst, args.concurrency))
-    f = Figures(name, statistics.median(lat), float(np.percentile(lat, 99)), rate)
-    print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s", flush=True)
-    return f
+def measure(targets: list[tuple[str, str]], model: str, args: argparse.Namespace) -> list[Figures]:
+    """One round: a burst to each target that warms every connection (and the router's threads) up; every
+    target's sequential latency, the targets interleaved; then each one's rate at ``--concurrency`` in flight,
+    in turn."""
+    for _, url in targets:
+        asyncio.run(_burst(url, model, WARMUP * args.concurrency // 4, args.concurrency))
+    lat = sequential(targets, model, args.requests)
+    round_ = []
+    for name, url in targets:
+        rate = asyncio.run(_burst(url, model, args.burst, args.concurrency))
+        f = Figures(name, statistics.median(lat[name]), float(np.percentile(lat[name], 99)), rate)
+        print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s", flush=True)
+        round_.append(f)
+    return round_
 
 
 def report(rounds: list[list[Figures]], concurrency: int) -> None:
@@ -161,7 +173,7 @@ def main() -> None:
                 rounds = []
                 for i in range(args.rounds):
                     print(f"round {i + 1}", flush=True)
-                    rounds.append([measure(name, u, model, args) for name, u in targets])
+                    rounds.append(measure(targets, model, args))
             finally:
                 for r in routers:
                     r.close()

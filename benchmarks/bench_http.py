@@ -16,7 +16,8 @@ second with ``--concurrency`` in flight, and its ratio to direct. Every router
 is started first. In each of ``--rounds`` rounds the sequential requests go to
 the targets in turn, request by request (the machine is shared, and the
 server's own latency drifts by 2x over a run: a slow spell then falls on every
-target alike), then each target's burst runs; the medians are reported. The goals are printed as ratios beside them.
+target alike), then each target's burst runs; the medians are reported. The
+goals are printed as ratios beside them.
 
     python benchmarks/bench_http.py [--no-peers] [--vllm URL] [--requests 300] [--burst 1280] [--concurrency 64] [--rounds 5]
 """
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,8 +72,9 @@ def sequential(targets: list[tuple[str, str]], model: str, n: int) -> dict[str, 
     """``n`` completions one at a time to each target, the targets taking turns request by request (a slow spell
     of the shared machine, or the server's own drift, falls on all of them alike): each one's latencies in ms."""
     out: dict[str, list[float]] = {name: [] for name, _ in targets}
-    clients = [(name, httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S)) for name, url in targets]
-    try:
+    with ExitStack() as stack:
+        clients = [(name, stack.enter_context(httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S)))
+                   for name, url in targets]
         for i in range(WARMUP + n):
             for name, c in clients:
                 t0 = time.perf_counter()
@@ -80,9 +83,6 @@ def sequential(targets: list[tuple[str, str]], model: str, n: int) -> dict[str, 
                 r.raise_for_status()
                 if i >= WARMUP:
                     out[name].append(ms)
-    finally:
-        for _, c in clients:
-            c.close()
     return out
 
 

@@ -7,6 +7,7 @@ no test finds another's cached blocks.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(int(START_TIMEOUT_S) + 300)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_MS = 5000
 ATTEMPTS = 6
+BIND_ATTEMPTS = 50
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["b32-bind", "b64-connect"])
@@ -95,10 +97,27 @@ def subscriber(engine: VllmServer) -> zmq.Socket:
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
     if engine.publisher_connects:
-        sub.bind(engine.events_endpoint)
+        bind_when_free(sub, engine.events_endpoint)
     else:
         sub.connect(engine.events_endpoint)
     return sub
+
+
+def bind_when_free(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind ``endpoint``, waiting a bounded while for the previous test's socket to let go of it.
+
+    ZMQ closes a socket on its I/O thread, after ``close`` returns, so a bind right after may find the port
+    still held.
+    """
+    for _ in range(BIND_ATTEMPTS - 1):
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise
+            time.sleep(0.1)
+    sock.bind(endpoint)
 
 
 def stored_batch(client: httpx.Client, engine: VllmServer, sub: zmq.Socket, first: int) -> tuple[int, EventBatch]:

@@ -46,6 +46,9 @@ from kvledger.worker.wire.events import EventBatch, EventDecodeError, decode_bat
 logger = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
+#: How long a subscriber waits for its own just-closed socket to let go of the endpoint it binds again: ZMQ
+#: closes a socket on its I/O thread after ``close`` returns (measured here: 4 of 500 immediate rebinds failed).
+REBIND_WAIT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -84,19 +87,27 @@ class VllmEventSubscriber:
         self._resync = threading.Event()
         self._moved_to: tuple[str, str | None, bool | None] | None = None
 
-    def _subscribe(self, endpoint: str, bind: bool | None) -> zmq.Socket:
+    def _subscribe(self, endpoint: str, bind: bool | None, rebinding: bool = False) -> zmq.Socket:
+        """A SUB on ``endpoint``; ``rebinding``: this subscriber's own socket, just closed, bound it, so the
+        address being in use means that socket is still letting go, not that the engine bound it."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         self.bound = False
         if bind is not False:
-            try:
-                sub.bind(endpoint)
-                self.bound = True
-            except zmq.ZMQError:
-                if bind:
-                    sub.close(linger=0)
-                    raise
-                # in use (the engine bound it) or another host's address: the engine listens there
+            deadline = time.monotonic() + (REBIND_WAIT_S if rebinding else 0.0)
+            while True:
+                try:
+                    sub.bind(endpoint)
+                    self.bound = True
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EADDRINUSE and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                        continue
+                    if bind:
+                        sub.close(linger=0)
+                        raise
+                    break  # in use (the engine bound it) or another host's address: the engine listens there
         if not self.bound:
             sub.connect(endpoint)
         return sub
@@ -209,8 +220,9 @@ class VllmEventSubscriber:
         moved, self._moved_to = self._moved_to, None
         if moved is not None:
             self._sub.close(linger=0)
+            rebinding = self.bound and moved[0] == self.endpoint
             self.endpoint, self.replay_endpoint, bind = moved
-            self._sub = self._subscribe(self.endpoint, bind)
+            self._sub = self._subscribe(self.endpoint, bind, rebinding)
             logger.info("vLLM engine rank %d publishes on %s now", self.rank, self.endpoint)
         missed = self._replay(0) if self.replay_endpoint else None
         with self.lock:

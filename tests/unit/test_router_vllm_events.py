@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 
+import msgpack
 import pytest
+import zmq
 
 from kvledger.router.foreign import ForeignFeed
 from kvledger.router.groups import WindowedIndex
@@ -12,6 +14,7 @@ from kvledger.router.probe import match_all_sizes, probe, prompt_hashes
 from kvledger.router.vllm_events import VllmEventSubscriber
 
 from fake_vllm import T, FakeVllmPublisher, vllm_removed, vllm_stored
+from vllm_engines import free_port
 
 VLLM_RANK = 100
 
@@ -157,3 +160,37 @@ def test_a_salted_chain_keeps_its_salt_from_the_first_blocks_extra_keys(engine):
     pub.publish([lora])
     assert sub.poll_once(5000)
     assert probe(index, prompt[:4] + [0], cache_salt="s").get(VLLM_RANK).matched_tokens == 4, "after the LoRA name"
+
+
+def test_a_subscriber_that_binds_the_engines_endpoint_binds_it_again_when_it_resubscribes():
+    """A connecting engine that comes back with another replay socket still publishes to the endpoint the
+    subscriber binds. Its own socket, just closed, may hold the port a moment longer (ZMQ lets go on its I/O
+    thread): that is waited out, never taken for the engine having bound it (then nobody would listen)."""
+    replayer = FakeVllmPublisher()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    index = WindowedIndex(tokens_per_block=T)
+    sub = VllmEventSubscriber(ForeignFeed(SequencedIndex(index)), VLLM_RANK, endpoint, bind=None)
+    engine = zmq.Context.instance().socket(zmq.XPUB)   # XPUB: it sees the subscription arrive
+    try:
+        assert sub.bound
+        replay = f"tcp://127.0.0.1:{replayer.replay_port}"
+        for i in range(400):   # bounded; an immediate rebind found the port still held 4 times in 500 here
+            sub.resync(endpoint, replay if i % 2 == 0 else None, bind=None)
+            sub.poll_once(0)
+            assert sub.bound, f"resubscription {i} connected instead of binding its own endpoint"
+        engine.connect(endpoint)
+        for _ in range(200):   # bounded, 200 x 20 ms: the SUB takes the new pipe (and subscribes) when polled
+            sub.poll_once(10)
+            if engine.poll(10):
+                break
+        assert engine.poll(0), "the subscriber's bound socket never heard the engine connect"
+        engine.recv()
+        prompt = list(range(110, 118))
+        engine.send_multipart((b"", (0).to_bytes(8, "big"),
+                               msgpack.packb([1700000000.0, [vllm_stored([0x71, 0x72], None, prompt)], 0])))
+        assert sub.poll_once(5000)
+        assert matched(index, prompt + [0]) == 8
+    finally:
+        engine.close(linger=0)
+        sub.close()
+        replayer.close()

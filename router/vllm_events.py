@@ -12,7 +12,8 @@ vLLM's publisher binds its PUB socket when its endpoint's host is a wildcard
 does the opposite. An endpoint that names a host is ambiguous once vLLM has
 bound ``tcp://*:0`` (it reports the address it got), so ``bind=None`` binds
 if the address is free here and connects if it is taken or not ours (vLLM
-holds it). The replay socket is always the engine's to bind.
+holds it); resubscribing where it bound, it waits for its own closed socket to
+let go of the port first. The replay socket is always the engine's to bind.
 
 A batch can be lost with nothing after it to show the gap: a SUB that binds
 before the engine's PUB connects misses what the PUB sends before it learns of

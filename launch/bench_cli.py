@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from kvledger.launch.flags import (NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, Converter,
                                    DataclassFlags, add_dataclass_flags)
 
+from kvledger.launch.policy_flags import PolicyFlags, add_policy_flags
+
 if TYPE_CHECKING:   # the replay library imports torch; ``kvledger --help`` lists this sub-command without it
     from kvledger.replay.config import BenchConfig, TinyOptions
     from kvledger.replay.simulator import SimCosts
@@ -67,6 +69,7 @@ class BenchFlags:
     costs: DataclassFlags[SimCosts]
     tiny: DataclassFlags[TinyOptions]
     outputs: DataclassFlags[Outputs]
+    policies: PolicyFlags
 
     def configs(self, args: argparse.Namespace) -> tuple[BenchConfig, Outputs]:
         """The bench's config and its outputs; ``ValueError`` naming the flag for a value a dataclass refuses."""
@@ -76,6 +79,7 @@ class BenchFlags:
                                   capacity_blocks=None if blocks.capacity_blocks is None
                                   else blocks.capacity_blocks * ranks,
                                   host_blocks=blocks.host_blocks * ranks)
+        config = dataclasses.replace(config, policy_options=self.policies.options(args, config.policies))
         if config.routers == 1:   # the replicas' delays: one router replays without them
             config = dataclasses.replace(config, event_lag_s=0.0, load_report_s=0.0)
         return config, self.outputs.apply(args)
@@ -101,7 +105,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     replicas = BenchConfig(event_lag_s=REPLICA_EVENT_LAG_S, load_report_s=REPLICA_LOAD_REPORT_S)
     flags = BenchFlags(
         bench=add_dataclass_flags(
-            p, replicas, title="replay", exclude=("costs", "tiny", "capacity_blocks", "host_blocks"),
+            p, replicas, title="replay", exclude=("costs", "tiny", "capacity_blocks", "host_blocks", "policy_options"),
             converters={"trace": Converter(str, metavar="FILE|synthetic|docs|powerlaw|conversation|agents|unique"),
                         "policy": Converter(str, metavar="NAME[,NAME...]|all"),
                         "engine": Converter(str, metavar="sim|tiny|vllm"), "vllm": Converter(str, metavar="URL"),
@@ -117,7 +121,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                              "concurrency": POSITIVE_INT}),
         outputs=add_dataclass_flags(p, Outputs(), title="outputs",
                                     converters={"json": Converter(str, metavar="OUT"),
-                                                "plot": Converter(str, metavar="OUT.png")}))
+                                                "plot": Converter(str, metavar="OUT.png")}),
+        policies=add_policy_flags(p))
     p.set_defaults(bench_flags=flags)
     return p
 

@@ -67,7 +67,8 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
     from kvledger.launch.flags import SIZE, SIZES, Converter, add_dataclass_flags
     from kvledger.launch.up import UpOptions
     from kvledger.router.config import RouterConfig
-    from kvledger.router.policies import policy_config_type, policy_names
+    from kvledger.launch.policy_flags import add_policy_flags
+    from kvledger.router.policies import policy_names
     from kvledger.worker.ledger.config import parse_window
 
     p.add_argument("--address", default=None, metavar="HOST:PORT",
@@ -93,10 +94,7 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
     router = add_dataclass_flags(
         p, RouterConfig(), title="router", exclude=("tokens_per_block", "policy_options", "prefill_rank_ids"),
         rename={"seed": "router-seed"}, converters={"policy": Converter.choice({n: n for n in policy_names()})})
-    policies = {name: add_dataclass_flags(p, config_type(), title=f"{name} policy (with --policy {name})",
-                                          prefix=name)
-                for name in policy_names()
-                if (config_type := policy_config_type(name)) is not None}
+    policies = add_policy_flags(p)
     http = add_dataclass_flags(p, RouterActorConfig(), title="router HTTP API",
                                exclude=("router", "transport_faults"),   # faults: set from the config, for tests
                                rename={"max_restarts": "router-max-restarts"},
@@ -104,15 +102,10 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
 
     def policy_options(args: argparse.Namespace, chosen: str) -> dict[str, object]:
         """The options given for policy ``chosen`` (checked by its config); another policy's option is an error."""
-        for name, flags in policies.items():
-            stray = [flags.flags[f] for f in flags.given(args)] if name != chosen else []
-            if stray:
-                p.error(f"{', '.join(stray)}: option(s) of policy {name!r}, but the policy is {chosen!r} "
-                        f"(--policy {name} to use them)")
-        if chosen not in policies:
-            return {}
-        policies[chosen].build(args, p)
-        return policies[chosen].given(args)
+        try:
+            return policies.options(args, [chosen]).get(chosen, {})
+        except ValueError as e:
+            p.error(str(e))
 
     def options(args: argparse.Namespace) -> UpOptions:
         cache_budgets, cluster_budgets = _given_budgets_win(cache.given(args), cluster.given(args))
@@ -125,7 +118,7 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
         router_config = router.build(args, p, policy_options=policy_options(args, chosen))
         http_config = http.build(args, p, router=router_config)
         if args.no_router:
-            ignored = [g.flags[f] for g in (router, *policies.values(), http) for f in g.given(args)]
+            ignored = [g.flags[f] for g in (router, *policies.groups.values(), http) for f in g.given(args)]
             if ignored:
                 p.error(f"--no-router starts no router; drop {', '.join(ignored)}")
         if args.detach and args.workload is not None:

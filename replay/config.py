@@ -5,10 +5,11 @@
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from kvledger.replay.simulator import SimCosts
+from kvledger.replay.simulator import SimCosts, check_policy_options
 from kvledger.replay.peers import parse_peers
 from kvledger.router.disaggregation import SplitConfig
 from kvledger.router.policies import policy_names
@@ -135,7 +136,11 @@ class BenchConfig:
     health round; 0: never)."""
     slowdown: tuple[float, ...] = ()
     """``engine="sim"``: per rank, from rank 0 (one flag each), how many times its prefill takes (another tenant on
-    its GPU); the rest run at 1. The routers see it only in the queues it builds (``SimConfig.slowdown``)."""
+    its GPU); the rest run at 1. The routers learn it from the queues it builds and from its answers
+    (``SimConfig.slowdown``)."""
+    policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Policy name -> fields of its config (``--kv-backlog-weight 6``: ``{"kv": {"backlog_weight": 6}}``), for a
+    policy this replay runs."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "routers"):
@@ -158,6 +163,10 @@ class BenchConfig:
             for name in self.policy.split(","):
                 if name not in policy_names():
                     raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()} or 'all'")
+        stray = [name for name in self.policy_options if name not in self.policies]
+        if stray:
+            raise ValueError(f"options of policies {stray}, which this replay does not run ({self.policies})")
+        check_policy_options(self.policy_options)
         if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
             raise ValueError(f"--limit must be a positive int, got {self.limit!r}")
         if type(self.jobs) is not int or self.jobs < 0:

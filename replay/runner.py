@@ -110,7 +110,8 @@ def run(config: BenchConfig, progress: Callable[[str, int], None] | None = None,
     sim = SimConfig(ranks=config.ranks, capacity_blocks=capacity, host_blocks=config.host_blocks,
                     tokens_per_block=tpb, speed=config.speed, partial_reuse=config.partial_reuse,
                     migration=config.migration, seed=config.seed, costs=config.costs, routers=config.routers,
-                    event_lag_s=config.event_lag_s, load_report_s=config.load_report_s, slowdown=config.slowdown)
+                    event_lag_s=config.event_lag_s, load_report_s=config.load_report_s, slowdown=config.slowdown,
+                    policy_options=config.policy_options)
     check_fits(trace, sim)
     # the pooled cache holds everything the cluster can keep: device and host tiers
     bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb, capacity + config.host_blocks)

@@ -47,18 +47,20 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvledger.coordinator.migration import migrate_prefix
 from kvledger.replay.trace import BlockChains, Trace, TraceRequest, request_tokens
+from kvledger.router.engine_rates import EngineRates
 from kvledger.router.groups import WindowedArrayIndex
 from kvledger.router.load import Dispatch, LoadAccount, ReportedQueue
 from kvledger.router.numbering import SequencedIndex
-from kvledger.router.policies import RouteRequest, RoutingPolicy, make_policy
+from kvledger.router.policies import RouteRequest, RoutingPolicy, make_policy, policy_config_type
 from kvledger.router.policies.base import check_nonneg_numbers
 from kvledger.router.probe import PrefixMatch, match_prefix
 from kvledger.router.routing import RouteStep
@@ -138,7 +140,11 @@ class SimConfig:
     """How often the ranks' load reports are taken for the routers (0: never; the routers' own accounts only)."""
     slowdown: tuple[float, ...] = ()
     """Per rank, how many times its prefill takes the costs' time (another tenant's work on its GPU); ranks past
-    the tuple's end run at 1. The routers learn it only from the queues it builds."""
+    the tuple's end run at 1. The routers learn it from the queues it builds and from its answers (each replica
+    fits every rank's seconds per prompt token, ``router.engine_rates``, as a live router does)."""
+    policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Policy name -> fields of its config to set (``{"kv": {"backlog_weight": 6}}``), over what the replay tells
+    it (``policy_options``)."""
 
     def __post_init__(self) -> None:
         if type(self.ranks) is not int or self.ranks < 1:
@@ -161,6 +167,7 @@ class SimConfig:
                 type(v) not in (int, float) or not math.isfinite(v) or v < 1 for v in self.slowdown):
             raise ValueError(f"slowdown must be a tuple of at most {self.ranks} (ranks) finite numbers >= 1, "
                              f"got {self.slowdown!r}")
+        check_policy_options(self.policy_options)
 
     def slowed(self, rank: int) -> float:
         """How many times rank ``rank``'s prefill takes the costs' time (``slowdown``)."""
@@ -236,24 +243,28 @@ class RouteHasher:
 
 
 class _Replica:
-    """One router replica: its index (fed by the ranks' batches), policy, load account and routing step."""
+    """One router replica: its index (fed by the ranks' batches), policy, load account, routing step, and what it
+    learns of each rank's speed from the answers to its own requests (as a live router does)."""
 
-    __slots__ = ("index", "policy", "account", "step")
+    __slots__ = ("index", "policy", "account", "step", "rates")
 
     def __init__(self, index: SequencedIndex, policy: RoutingPolicy) -> None:
         self.index, self.policy = index, policy
         self.account = LoadAccount()
         self.step = RouteStep(policy, self.account)
+        self.rates = EngineRates()
 
 
 class _Job:
-    __slots__ = ("i", "req", "tokens", "arrival", "dispatch", "account", "migrate_from", "blocks_total",
+    __slots__ = ("i", "req", "tokens", "arrival", "dispatch", "replica", "ahead", "migrate_from", "blocks_total",
                  "start", "duration", "cached", "onboarded", "migrated")
 
     def __init__(self, i: int, req: TraceRequest, tokens: list[int], arrival: float, dispatch: Dispatch,
-                 account: LoadAccount, migrate_from: int | None, blocks_total: int) -> None:
+                 replica: _Replica, ahead: int, migrate_from: int | None, blocks_total: int) -> None:
         self.i, self.req, self.tokens, self.arrival = i, req, tokens, arrival
-        self.dispatch, self.account = dispatch, account
+        self.dispatch, self.replica = dispatch, replica
+        self.ahead = ahead
+        """Prefill tokens the replica had queued on the rank before this request (its wait, not slowness)."""
         self.migrate_from, self.blocks_total = migrate_from, blocks_total
         self.start = self.duration = 0.0
         self.cached = self.onboarded = self.migrated = 0
@@ -319,7 +330,7 @@ class Simulator:
         self.chains = chains
         self.hasher = hasher if hasher is not None else RouteHasher(T)
         options = {**(config.costs.kv_policy_options(T) if policy == "kv" else {}),
-                   **migration_options(policy, config.migration)}
+                   **policy_options(policy, config, config.migration)}
         self.policy_name = policy
         c = config.costs
         self.prefill_s = c.prefill_s_per_token
@@ -434,7 +445,7 @@ class Simulator:
         now = self.now
         decision = replica.step.decide(rr, matches, [r.rank for r in self.ranks],
                                        {r.rank: r.device_blocks for r in self.ranks}, now, record=True,
-                                       reported=self._reported())
+                                       reported=self._reported(), rates=replica.rates.prefill())
         truth = matches if not self.lagged else match_prefix(self.index.store, hashes) if hashes else {}
         longest = max((m.matched_blocks for m in truth.values()), default=0)
         if longest:
@@ -448,9 +459,9 @@ class Simulator:
             have += decision.migrate_blocks
         est = req.input_length - have * T
         blocks_total = -(-(req.input_length + req.output_length) // T)
-        account = replica.account
-        job = _Job(i, req, tokens, now, account.dispatch(decision.rank, est, blocks_total), account,
-                   decision.migrate_from, blocks_total)
+        state = decision.loads.get(decision.rank)
+        job = _Job(i, req, tokens, now, replica.account.dispatch(decision.rank, est, blocks_total), replica,
+                   state.queued_prefill_tokens if state is not None else 0, decision.migrate_from, blocks_total)
         rank.queue.append(job)
         self._rank_of[i] = decision.rank
         return rank
@@ -487,7 +498,7 @@ class Simulator:
         if moved:
             duration += self.config.costs.migrate_setup_s + moved * self.migrate_s
         job.start, job.duration = self.now, duration
-        job.account.started(job.dispatch, self.now, duration)
+        job.replica.account.started(job.dispatch, self.now, duration)
         rank.current = job
         heapq.heappush(self._heap, (self.now + duration, _PREFILL_DONE, next(self._tie), rank))
         return job
@@ -507,7 +518,7 @@ class Simulator:
     def _finish(self, job: _Job) -> _Rank:
         rank = self.ranks[int(self._rank_of[job.i])]
         rank.mgr.remove_sequence(job.i)
-        job.account.finished(job.dispatch)
+        job.replica.account.finished(job.dispatch)
         rank.decoding -= 1
         rank.blocked = False
         self._publish(rank)
@@ -525,11 +536,13 @@ class Simulator:
         self._ttft[i] = self.now - job.arrival
         decode = job.req.output_length * self.config.costs.decode_s_per_token
         self._e2e[i] = self._ttft[i] + decode
+        job.replica.rates.observe(rank.rank, job.req.input_length - job.cached, job.req.output_length,
+                                  float(self._ttft[i]), float(self._e2e[i]), job.ahead)
         self._cached[i] = job.cached
         self._onboarded += job.onboarded
         self._migrated += job.migrated
         job.tokens = []   # the ledger keeps its own copy; free the trace's
-        job.account.prefilled(job.dispatch)
+        job.replica.account.prefilled(job.dispatch)
         rank.decoding += 1
         heapq.heappush(self._heap, (self.now + decode, _FINISH, next(self._tie), job))
 
@@ -562,9 +575,20 @@ class Simulator:
                          self._to_longest)
 
 
-def migration_options(policy: str, migration: bool) -> dict[str, bool]:
-    """What a replay tells ``policy`` beyond its defaults about migration: ``kv`` may be told not to migrate."""
-    return {"allow_migration": False} if policy == "kv" and not migration else {}
+def check_policy_options(options: Mapping[str, Mapping[str, Any]]) -> None:
+    """``ValueError`` unless each policy named has a config that takes its options (its own checks run)."""
+    for name, given in options.items():
+        config_type = policy_config_type(name)
+        if config_type is None:
+            raise ValueError(f"policy_options: policy {name!r} has no options")
+        config_type(**given)
+
+
+def policy_options(policy: str, config: SimConfig, migration: bool) -> dict[str, Any]:
+    """What a replay tells ``policy`` beyond its defaults: ``kv`` not to migrate (without ``migration``), then the
+    options given for it (``SimConfig.policy_options``), which win."""
+    told = {"allow_migration": False} if policy == "kv" and not migration else {}
+    return {**told, **config.policy_options.get(policy, {})}
 
 
 def check_fits(trace: Trace, config: SimConfig) -> None:

@@ -57,7 +57,7 @@ from kvledger.replay.config import (DEFAULT_LIMIT, START_TIMEOUT_S, TINY_BLOCK_S
                                     TinyOptions)
 from kvledger.replay.report import summarize
 from kvledger.replay.result import BenchResult
-from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
+from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, policy_options
 from kvledger.replay.trace import (MOONCAKE_BLOCK_SIZE, BlockChains, SyntheticConfig, Trace, TraceRequest,
                                    expand_tokens, generate_synthetic, load_mooncake)
 from kvledger.replay.workloads import WORKLOADS, WorkloadConfig, workload
@@ -177,7 +177,7 @@ class PolicyReplay:
         s, o = self.sim, self.options
         return RouterActorConfig(host="127.0.0.1", port=0, router=RouterConfig(
             tokens_per_block=s.tokens_per_block, policy=self.policy, seed=s.seed,
-            policy_options=migration_options(self.policy, s.migration),
+            policy_options=policy_options(self.policy, s, s.migration),
             prefill_rank_ids=tuple(range(self.prefill_ranks)), split_mode=o.split_mode,
             min_split_tokens=o.min_split_tokens))
 
@@ -365,7 +365,8 @@ def run_tiny(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     per_rank = capacity // ranks
     sim = SimConfig(ranks=ranks, capacity_blocks=max(per_rank, 1) * ranks,
                     host_blocks=(config.host_blocks // ranks) * ranks, tokens_per_block=tpb, speed=config.speed,
-                    partial_reuse=config.partial_reuse, migration=config.migration, seed=config.seed)
+                    partial_reuse=config.partial_reuse, migration=config.migration, seed=config.seed,
+                    policy_options=config.policy_options)
     check_fits(trace, sim)
     bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb,
                             sim.capacity_blocks + sim.host_blocks)

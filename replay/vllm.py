@@ -30,7 +30,7 @@ from kvledger.replay.engine_totals import EngineTotals
 from kvledger.replay.peers import Peer, PeerRouter, event_endpoint, parse_peers
 from kvledger.replay.report import summarize
 from kvledger.replay.result import BenchResult
-from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, migration_options
+from kvledger.replay.simulator import PolicyRun, SimConfig, check_fits, policy_options
 from kvledger.replay.text_prompts import prompt_text
 from kvledger.replay.tiny import PolicyReplay, _Answer, load_tiny_trace
 from kvledger.replay.trace import BlockChains, Trace, expand_tokens
@@ -118,7 +118,7 @@ class VllmPolicyReplay(PolicyReplay):
         s = self.sim
         service = RouterService(None, RouterConfig(tokens_per_block=s.tokens_per_block, policy=self.policy,
                                                    seed=s.seed, vllm=self.urls,
-                                                   policy_options=migration_options(self.policy, False)))
+                                                   policy_options=policy_options(self.policy, s, False)))
         try:
             http = HttpServer(make_app(service), port=0).start(START_TIMEOUT_S)
             try:
@@ -209,7 +209,7 @@ def run_vllm(config: BenchConfig, progress: Callable[[str, int], None] | None = 
     chains = [chains_of.chain(r) for r in trace.requests]
     ranks = len(urls)
     sim = SimConfig(ranks=ranks, capacity_blocks=max(len(chains_of), 1) * ranks, tokens_per_block=tpb,
-                    speed=config.speed, migration=False, seed=config.seed)
+                    speed=config.speed, migration=False, seed=config.seed, policy_options=config.policy_options)
     check_fits(trace, sim)
     bounds = compute_bounds(chains, [r.input_length for r in trace.requests], tpb, sim.capacity_blocks)
     peers = parse_peers(config.peer)

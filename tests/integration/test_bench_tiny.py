@@ -3,6 +3,7 @@ actors with the reference engine, the router actor on 127.0.0.1), one fresh clus
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -72,6 +73,9 @@ def test_no_migration_reaches_the_router_as_the_kv_policys_option():
         assert rc.router.make_policy().name == policy
     with_migration = PolicyReplay(trace, [], "kv", SimConfig(ranks=2, capacity_blocks=512), TinyOptions(), "x")
     assert with_migration.router_config().router.make_policy().config.allow_migration
+    given = dataclasses.replace(sim, policy_options={"kv": {"backlog_weight": 6}})   # --kv-backlog-weight 6
+    rc = PolicyReplay(trace, [], "kv", given, TinyOptions(), "unused").router_config()
+    assert dict(rc.router.policy_options) == {"allow_migration": False, "backlog_weight": 6}
 
 
 # --- the replay on a real cluster -----------------------------------------------------------------

@@ -16,10 +16,10 @@ from kvledger.replay.bounds import compute_bounds, infinite_cached_tokens, poole
 from kvledger.replay.config import BenchConfig
 from kvledger.replay.replicas import replica_counts
 from kvledger.replay.runner import run
-from kvledger.replay.simulator import RouteHasher, SimConfig, SimCosts, check_fits, simulate
+from kvledger.replay.simulator import RouteHasher, SimConfig, SimCosts, Simulator, check_fits, simulate
 from kvledger.replay.trace import (BlockChains, SyntheticConfig, Trace, TraceRequest, expand_tokens, generate_synthetic,
                                    load_mooncake, request_tokens, write_trace)
-from kvledger.router.policies import policy_names
+from kvledger.router.policies import KvCostModel, policy_names
 from kvledger.router.probe import prompt_hashes
 
 # The head of Mooncake's conversation trace, shipped with the tests (see tests/data/README.md).
@@ -297,6 +297,11 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     (("--engine", "tiny", "--slowdown", "3"), r"--slowdown slows simulated ranks: it needs --engine sim"),
     (("--ranks", "2", *("--slowdown", "2") * 3), r"slowdown must be a tuple of at most 2"),
     (("--slowdown", "0.5"), r"finite numbers >= 1"),
+    (("--policy", "cache_aware", "--kv-backlog-weight", "6"),
+     r"--kv-backlog-weight: option\(s\) of policy 'kv', but the policy is 'cache_aware' \(--policy kv to use them\)"),
+    (("--policy", "kv,round_robin", "--cache-aware-cache-threshold", "0.5"),
+     r"option\(s\) of policy 'cache_aware', but the policies are 'kv', 'round_robin'"),
+    (("--policy", "kv", "--kv-backlog-weight", "-1"), r"--kv-backlog-weight: backlog_weight must be a finite number"),
 ])
 def test_cli_rejects_bad_input_clearly(tmp_path, capsys, argv, message):
     rc = run_bench(parse("--limit", "20", "--quiet", "--json", str(tmp_path / "x.json"), *argv))
@@ -329,7 +334,8 @@ def test_bench_help_lists_every_config_field_with_its_docstring(capsys):
         main(["bench", "--help"])
     assert e.value.code == 0
     out = "".join(capsys.readouterr().out.split())   # argparse wraps the help (at hyphens too): compare unspaced
-    nested = {"costs", "tiny", "capacity_blocks", "host_blocks"}   # their own groups; per rank in RankBlocks
+    # their own groups; per rank in RankBlocks; each policy's fields as its own flags (below)
+    nested = {"costs", "tiny", "capacity_blocks", "host_blocks", "policy_options"}
     for cls in (BenchConfig, SimCosts, TinyOptions, RankBlocks, Outputs):
         docs = attribute_docs(cls)
         for f in dataclasses.fields(cls):
@@ -340,6 +346,8 @@ def test_bench_help_lists_every_config_field_with_its_docstring(capsys):
             assert doc in out, f"{cls.__name__}.{f.name}'s help is not its docstring"
     for flag in HAND_WRITTEN_FLAGS:
         assert flag in out
+    for f in dataclasses.fields(KvCostModel):
+        assert f"--kv-{f.name.replace('_', '-')}" in out, f"KvCostModel.{f.name} has no flag"
 
 
 def test_bench_flags_keep_their_defaults_and_meanings():
@@ -356,6 +364,39 @@ def test_bench_flags_keep_their_defaults_and_meanings():
     assert not got.migration and got.partial_reuse and got.costs.kv_bytes_per_token == 1024
     assert got.tiny.concurrency == 2 and got.vllm == ("http://a:1", "http://b:2")
     assert config("--ranks", "2", "--slowdown", "3", "--slowdown", "1.5").slowdown == (3.0, 1.5)
+    assert config("--policy", "kv", "--kv-backlog-weight", "6").policy_options == {"kv": {"backlog_weight": 6.0}}
+    assert config("--kv-speed-spread", "4", "--dynamo-overlap-score-weight", "2").policy_options == {
+        "kv": {"speed_spread": 4.0}, "dynamo": {"overlap_score_weight": 2.0}}, "--policy all runs every policy"
+
+
+def test_policy_options_reach_the_replayed_policy_over_what_the_replay_tells_it():
+    told = SimConfig(ranks=2, migration=False)
+    assert Simulator(Trace("t", 512, []), "kv", told).replicas[0].policy.config.allow_migration is False
+    given = dataclasses.replace(told, policy_options={"kv": {"backlog_weight": 6, "allow_migration": True}})
+    kv = Simulator(Trace("t", 512, []), "kv", given).replicas[0].policy.config
+    assert (kv.backlog_weight, kv.allow_migration) == (6, True), "the options given win"
+    assert kv.prefill_s_per_token == SimCosts().prefill_s_per_token, "the replay's costs still tell the rest"
+    with pytest.raises(ValueError, match="policy 'round_robin' has no options"):
+        SimConfig(policy_options={"round_robin": {"x": 1}})
+    with pytest.raises(TypeError, match="backlog_wieght"):
+        SimConfig(policy_options={"kv": {"backlog_wieght": 6}})
+    with pytest.raises(ValueError, match=r"options of policies \['kv'\], which this replay does not run"):
+        BenchConfig(policy="cache_aware", policy_options={"kv": {"backlog_weight": 6}})
+
+
+def test_the_simulated_router_learns_each_ranks_speed_from_its_answers():
+    """As a live router does (``router.engine_rates``): here each prefill is the costs' figure times the rank's
+    slowdown, with nothing queued ahead, so the fit finds it; ``kv`` weighs it once ``speed_spread`` lets it."""
+    spaced = Trace("spaced", 512, [TraceRequest(10.0 * i, 512, 0, (i,)) for i in range(24)])
+    slowed = SimConfig(ranks=2, capacity_blocks=512, tokens_per_block=TPB, slowdown=(3.0,))
+    sim = Simulator(spaced, "round_robin", slowed)
+    sim.run()
+    learned = sim.replicas[0].rates.prefill()
+    p = SimCosts().prefill_s_per_token
+    assert learned.keys() == {0, 1} and math.isclose(learned[0], 3 * p) and math.isclose(learned[1], p)
+    alike = simulate(spaced, "kv", slowed).rank
+    weighed = simulate(spaced, "kv", dataclasses.replace(slowed, policy_options={"kv": {"speed_spread": 4}})).rank
+    assert (weighed[12:] == 1).sum() > (alike[12:] == 1).sum(), "the faster rank takes more once its speed is known"
 
 
 def test_a_slowed_rank_takes_its_factor_of_every_prefill_and_the_queue_it_builds_moves_work_away():

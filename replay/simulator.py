@@ -256,15 +256,13 @@ class _Replica:
 
 
 class _Job:
-    __slots__ = ("i", "req", "tokens", "arrival", "dispatch", "replica", "ahead", "migrate_from", "blocks_total",
+    __slots__ = ("i", "req", "tokens", "arrival", "dispatch", "replica", "migrate_from", "blocks_total",
                  "start", "duration", "cached", "onboarded", "migrated")
 
     def __init__(self, i: int, req: TraceRequest, tokens: list[int], arrival: float, dispatch: Dispatch,
-                 replica: _Replica, ahead: int, migrate_from: int | None, blocks_total: int) -> None:
+                 replica: _Replica, migrate_from: int | None, blocks_total: int) -> None:
         self.i, self.req, self.tokens, self.arrival = i, req, tokens, arrival
         self.dispatch, self.replica = dispatch, replica
-        self.ahead = ahead
-        """Prefill tokens the replica had queued on the rank before this request (its wait, not slowness)."""
         self.migrate_from, self.blocks_total = migrate_from, blocks_total
         self.start = self.duration = 0.0
         self.cached = self.onboarded = self.migrated = 0
@@ -459,9 +457,8 @@ class Simulator:
             have += decision.migrate_blocks
         est = req.input_length - have * T
         blocks_total = -(-(req.input_length + req.output_length) // T)
-        state = decision.loads.get(decision.rank)
         job = _Job(i, req, tokens, now, replica.account.dispatch(decision.rank, est, blocks_total), replica,
-                   state.queued_prefill_tokens if state is not None else 0, decision.migrate_from, blocks_total)
+                   decision.migrate_from, blocks_total)
         rank.queue.append(job)
         self._rank_of[i] = decision.rank
         return rank
@@ -537,7 +534,7 @@ class Simulator:
         decode = job.req.output_length * self.config.costs.decode_s_per_token
         self._e2e[i] = self._ttft[i] + decode
         job.replica.rates.observe(rank.rank, job.req.input_length - job.cached, job.req.output_length,
-                                  float(self._ttft[i]), float(self._e2e[i]), job.ahead)
+                                  float(self._ttft[i]), float(self._e2e[i]), job.arrival)
         self._cached[i] = job.cached
         self._onboarded += job.onboarded
         self._migrated += job.migrated

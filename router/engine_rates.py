@@ -3,14 +3,21 @@
 A cost model with one figure for every engine sends work to the slow one as if
 it were fast. Engines differ (another tenant's decodes, a hot node, a smaller
 GPU), so the router fits each one from what it sees of every request it sent
-there: the seconds to the first token against the prompt tokens the engine had
-to compute before it (its own uncached ones, and those the router had queued
-there ahead of it: its wait is not mistaken for slowness), a line
-``first = overhead + tokens * prefill`` fitted by least
+there: the seconds its prefill took against the uncached prompt tokens it
+computed, a line ``seconds = overhead + tokens * prefill`` fitted by least
 squares with exponential forgetting (recent answers count most, an engine that
 slows down is seen within tens of requests), and, from streams, the seconds
 between the first token and the last over the tokens decoded. A whole
 completion's first token is its end less its decode at the rank's current rate.
+
+A prefill is timed from when the engine could start it: the request's sending,
+or the rank's previous first token if that came later (until then the engine
+was computing what was ahead of it), so a wait is not mistaken for slowness;
+an answer taken in after a later one's (its start unknown) is left out.
+The router's own count of the prompt tokens queued ahead would not do: it is an
+estimate (a request sent before its prefix is computed counts its whole prompt,
+then hits), and fitted against it, the simulator's bursts read two even ranks
+at a thousandth of their true seconds per token and a slowed one as the faster.
 Until ``MIN_SAMPLES`` answers have been seen a rank has no figure and the
 policy uses its own. The waiting an engine makes a request do is in its
 answers too: what the router did not queue there itself (another tenant's work)
@@ -48,6 +55,8 @@ class _Fit:
     xy: float = 0.0
     samples: int = 0
     decode: float | None = None
+    busy_until: float = float("-inf")
+    """The rank's latest first token seen (the caller's clock): a request sent before it waited until then."""
 
     def add(self, x: float, y: float) -> None:
         f = FORGET
@@ -72,10 +81,10 @@ class EngineRates:
         self._lock = threading.Lock()
 
     def observe(self, rank: int, computed_tokens: int, output_tokens: int, first_s: float | None,
-                total_s: float, ahead_tokens: int = 0) -> None:
-        """One answer from ``rank``: ``first_s`` to its first token (``None``: a whole completion), ``total_s`` to
-        its end; ``ahead_tokens``: prompt tokens queued there before it, which its first token waited for."""
-        if computed_tokens < 0 or output_tokens < 0 or total_s < 0 or ahead_tokens < 0:
+                total_s: float, sent_at: float) -> None:
+        """One answer from ``rank``, sent at ``sent_at`` (the caller's clock: ``time.perf_counter`` live): its first
+        token ``first_s`` after (``None``: a whole completion), its end ``total_s`` after."""
+        if computed_tokens < 0 or output_tokens < 0 or total_s < 0:
             return
         with self._lock:
             fit = self._fits.setdefault(rank, _Fit())
@@ -84,7 +93,11 @@ class EngineRates:
                 fit.decode = sample if fit.decode is None else FORGET * fit.decode + (1 - FORGET) * sample
             if first_s is None:
                 first_s = max(0.0, total_s - (fit.decode or 0.0) * max(output_tokens - 1, 0))
-            fit.add(float(computed_tokens + ahead_tokens), first_s)
+            first_at = sent_at + first_s
+            start = max(sent_at, fit.busy_until)
+            fit.busy_until = max(fit.busy_until, first_at)
+            if first_at >= start:   # else its answer came in after a later one's: its start is not known
+                fit.add(float(computed_tokens), first_at - start)
 
     def rate(self, rank: int) -> EngineRate | None:
         """``rank``'s figures, or ``None`` before ``MIN_SAMPLES`` answers."""

@@ -371,8 +371,6 @@ class RouterService:
                 predicted = min(self._held(req, rank, decision) + migrated * self.feed.index.block_size(rank),
                                 len(req.tokens) - 1)
                 dispatch = self._dispatch(req, rank, predicted)
-                state = decision.loads.get(rank)
-                ahead = state.queued_prefill_tokens if state is not None else 0
                 try:
                     engine = self.engines.engine(rank)
                     t0 = time.perf_counter()
@@ -395,10 +393,9 @@ class RouterService:
                     raise
                 if stream is not None:
                     return self._relay(rank, predicted, migrated, req, job.n, dispatch, first, chunks, stream,
-                                       session, t0, first_s, ahead)
+                                       session, t0, first_s)
                 self._finished(dispatch)
-                self._observe(rank, len(req.tokens), got.answer, got.cached_tokens, None, time.perf_counter() - t0,
-                              ahead)
+                self._observe(rank, len(req.tokens), got.answer, got.cached_tokens, None, t0)
                 if session is not None:
                     self._session_served(session, rank, req, job.n, got.answer, got.cached_tokens,
                                          waits_on_tool(got.answer))
@@ -427,7 +424,7 @@ class RouterService:
 
     def _relay(self, rank: int, predicted: int, migrated: int, req: RouteRequest, n: int, dispatch: Dispatch,
                first: dict | str, chunks: Iterator[dict | str], held: Held, session: str | None,
-               t0: float, first_s: float, ahead: int) -> Streamed:
+               t0: float, first_s: float) -> Streamed:
         """The stream's chunks; its admission slot is given back when it ends (or when it is dropped unstarted).
         ``t0``: when it was sent, ``first_s`` after it the first chunk came (the engine's speed is learned from
         them and the stream's end)."""
@@ -453,15 +450,15 @@ class RouterService:
             self._finished(dispatch)
             held.release()
         self.tally.served(rank, len(req.tokens), predicted, cached, migrated)
-        self._observe(rank, len(req.tokens), usage, cached, first_s, time.perf_counter() - t0, ahead)
+        self._observe(rank, len(req.tokens), usage, cached, first_s, t0)
 
     def _observe(self, rank: int, prompt: int, answer: dict, cached: int, first_s: float | None,
-                 total_s: float, ahead: int) -> None:
-        """An answer from ``rank``: what it had to compute (``ahead``: the prefill tokens dispatched there before
-        it and not yet computed, by the router's account) and decode, and how long it took."""
+                 sent_at: float) -> None:
+        """An answer from ``rank``, sent at ``sent_at`` (``time.perf_counter``), ending now: what it computed and
+        decoded, and how long it took (its first token ``first_s`` after its sending, where known)."""
         usage = answer.get("usage") or answer
         output = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
-        self.rates.observe(rank, prompt - cached, output, first_s, total_s, ahead)
+        self.rates.observe(rank, prompt - cached, output, first_s, time.perf_counter() - sent_at, sent_at)
 
     def _session_served(self, session: str, rank: int, req: RouteRequest, n: int, answer: dict, cached: int,
                         tool: bool) -> None:
@@ -513,7 +510,6 @@ class RouterService:
         p = decision.split.prefill_rank
         dispatch = self._dispatch(dataclasses.replace(req, max_tokens=prefill.max_tokens), p,
                                   decision.matched_tokens.get(p, 0))
-        state = decision.loads.get(p)
         t0 = time.perf_counter()
         try:
             got = self.engines.engine(p).generate(prefill)
@@ -529,8 +525,7 @@ class RouterService:
         finally:
             self._finished(dispatch)
         seconds = time.perf_counter() - t0
-        self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, seconds,
-                      state.queued_prefill_tokens if state is not None else 0)
+        self._observe(p, len(req.tokens), got.answer, got.cached_tokens, None, t0)
         return got.answer, seconds
 
     def _prefill_apart(self, req: RouteRequest, job: Generation, decision: RouteDecision,

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from kvledger.launch.flags import (NONNEG_FLOAT, NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, Converter,
                                    DataclassFlags, add_dataclass_flags)
-
 from kvledger.launch.policy_flags import PolicyFlags, add_policy_flags
 
 if TYPE_CHECKING:   # the replay library imports torch; ``kvledger --help`` lists this sub-command without it

@@ -65,9 +65,9 @@ def _up_flags(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], UpOp
     from kvledger.coordinator.config import ClusterConfig, default_cache
     from kvledger.coordinator.router_actor import RouterActorConfig
     from kvledger.launch.flags import SIZE, SIZES, Converter, add_dataclass_flags
+    from kvledger.launch.policy_flags import add_policy_flags
     from kvledger.launch.up import UpOptions
     from kvledger.router.config import RouterConfig
-    from kvledger.launch.policy_flags import add_policy_flags
     from kvledger.router.policies import policy_names
     from kvledger.worker.ledger.config import parse_window
 

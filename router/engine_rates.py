@@ -18,6 +18,7 @@ The router's own count of the prompt tokens queued ahead would not do: it is an
 estimate (a request sent before its prefix is computed counts its whole prompt,
 then hits), and fitted against it, the simulator's bursts read two even ranks
 at a thousandth of their true seconds per token and a slowed one as the faster.
+
 Until ``MIN_SAMPLES`` answers have been seen a rank has no figure and the
 policy uses its own. The waiting an engine makes a request do is in its
 answers too: what the router did not queue there itself (another tenant's work)

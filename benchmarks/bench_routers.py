@@ -32,7 +32,9 @@ an LRU of its blocks, the best hit rate over greedy placements (by traffic, by
 size) of the prefixes onto the engines' capacities.
 
     python benchmarks/bench_routers.py [--engines 2] [--blocks 200] [--workload docs[,conversation,...]] [--slow]
-        [--vllm URL ...]
+        [--vllm URL ...] [--kv-speed-spread 4 ...]
+
+``--kv-<field>`` sets a field of ``kv``'s cost model for the kvledger router, as ``kvledger up`` takes it.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO / "tests"))   # the real vLLM harness the suite uses
 from vllm_engines import VllmServer, start_bench_servers  # noqa: E402
 
+from kvledger.launch.policy_flags import add_policy_flags  # noqa: E402
 from kvledger.replay.bounds import static_split_cached_tokens  # noqa: E402
 from kvledger.replay.engine_totals import EngineTotals  # noqa: E402
 from kvledger.replay.peers import Peer, PeerRouter, RouterProcess, event_endpoints  # noqa: E402
@@ -110,7 +113,8 @@ def serve_kvledger(spec: dict) -> None:
     split = {"vllm_prefill": tuple(spec["prefill"]), "split_mode": spec["split_mode"],
              "min_split_tokens": spec["min_split_tokens"]} if spec.get("prefill") else {}
     service = RouterService(None, RouterConfig(tokens_per_block=BLOCK, policy=spec["policy"],
-                                               vllm=tuple(spec["urls"]), **split))
+                                               policy_options=spec.get("options", {}), vllm=tuple(spec["urls"]),
+                                               **split))
     service.refresh_loads(force=True)
     stop = threading.Event()
 
@@ -134,17 +138,21 @@ class KvledgerRouter(RouterProcess):
 
     stdin_grace_s = 10.0
 
-    def __init__(self, policy: str, servers: list[str], model: str, split: dict | None = None) -> None:
-        """``split``: ``prefill`` (the servers that only prefill), ``split_mode`` and ``min_split_tokens``."""
-        spec = {"policy": policy, "urls": servers, **(split or {})}
+    def __init__(self, policy: str, servers: list[str], model: str, split: dict | None = None,
+                 options: dict | None = None) -> None:
+        """``split``: ``prefill`` (the servers that only prefill), ``split_mode`` and ``min_split_tokens``;
+        ``options``: the policy's config fields (``RouterConfig.policy_options``)."""
+        spec = {"policy": policy, "urls": servers, "options": options or {}, **(split or {})}
         cmd = [sys.executable, __file__, "--serve-router", json.dumps(spec)]
         super().__init__(f"kvledger {policy}", cmd, model, None)
 
 
-def start_router(name: str, servers: list[str], events: list[str], model: str) -> KvledgerRouter | PeerRouter:
+def start_router(name: str, servers: list[str], events: list[str], model: str,
+                 options: dict | None = None) -> KvledgerRouter | PeerRouter:
+    """``options``: the kvledger policy's config fields (``--kv-backlog-weight 6`` and so on)."""
     kind, policy = name.split()
     if kind == "kvledger":
-        return KvledgerRouter(policy, servers, model)
+        return KvledgerRouter(policy, servers, model, options=options)
     return PeerRouter(Peer(kind, policy), servers, events, model, BLOCK)
 
 
@@ -241,12 +249,12 @@ def replay(router: RouterProcess, trace: Trace, model: str,
 
 
 def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace, concurrency: int,
-        slow_streams: int) -> RunResult:
+        slow_streams: int, options: dict | None = None) -> RunResult:
     with httpx.Client(timeout=30.0) as c:
         for url in urls:
             c.post(f"{url}/reset_prefix_cache").raise_for_status()
         before = [EngineTotals.read(c, u) for u in urls]
-    router = start_router(name, urls, events, model)
+    router = start_router(name, urls, events, model, options)
     background = Background(urls[0], model, slow_streams, 1) if slow_streams else None
     try:
         if background is not None:
@@ -321,10 +329,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm", action="append", metavar="URL", help="servers already running (started as above)")
     ap.add_argument("--serve-router", help=argparse.SUPPRESS)
+    policies = add_policy_flags(ap, ["kv"])   # the kvledger router's policy
     args = ap.parse_args()
     if args.serve_router:
         serve_kvledger(json.loads(args.serve_router))
         return
+    try:
+        options = policies.options(args, ["kv"]).get("kv", {})
+    except ValueError as e:
+        ap.error(str(e))
     routers = args.routers.split(",")
     unknown = [r for r in routers if r not in ROUTERS]
     if unknown or routers[0] != ROUTERS[0]:
@@ -347,11 +360,12 @@ def main() -> None:
             for trace in traces:
                 bound = offline_bound(trace, [args.blocks] * len(urls))
                 for mode, streams in modes:
-                    results = [run(name, urls, events, model, trace, args.concurrency, streams) for name in routers]
+                    results = [run(name, urls, events, model, trace, args.concurrency, streams, options)
+                               for name in routers]
                     offered = f"at {args.rate:g}/s" if args.rate else "in a closed loop"
                     report(f"{trace.name}, {len(trace.requests)} requests {offered}, {args.concurrency} in flight; "
-                           f"{len(urls)} vLLM servers of {args.blocks} blocks of {BLOCK} tokens; {mode}", results,
-                           bound)
+                           f"{len(urls)} vLLM servers of {args.blocks} blocks of {BLOCK} tokens; {mode}"
+                           + "".join(f"; kv {k} {v}" for k, v in options.items()), results, bound)
         finally:
             for s in servers:
                 s.stop()

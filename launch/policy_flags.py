@@ -39,8 +39,10 @@ class PolicyFlags:
         return out
 
 
-def add_policy_flags(parser: argparse.ArgumentParser) -> PolicyFlags:
-    """Add ``--<policy>-<field>`` for every field of every policy's config, a group per policy."""
+def add_policy_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> PolicyFlags:
+    """Add ``--<policy>-<field>`` for every field of the config of every policy in ``names`` (default: all), a group
+    per policy."""
     return PolicyFlags({name: add_dataclass_flags(parser, config_type(), title=f"{name} policy (with --policy {name})",
                                                   prefix=name)
-                        for name in policy_names() if (config_type := policy_config_type(name)) is not None})
+                        for name in (policy_names() if names is None else names)
+                        if (config_type := policy_config_type(name)) is not None})

@@ -21,6 +21,7 @@ from kvledger.launch import owner
 from kvledger.launch import up as up_module
 from kvledger.launch.cli import main
 from kvledger.launch.flags import SIZE, Converter, add_dataclass_flags, attribute_docs, format_size, parse_size
+from kvledger.launch.policy_flags import add_policy_flags
 from kvledger.launch.state import options_path
 from kvledger.launch.up import UpOptions, load_options, save_options
 from kvledger.router.config import RouterConfig
@@ -130,6 +131,17 @@ def test_a_value_the_dataclass_refuses_exits_2_naming_its_flag(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--mode", "medium"])
     assert "invalid choice: 'medium'" in capsys.readouterr().err
+
+
+def test_policy_flags_can_be_limited_to_the_policies_a_command_runs(capsys):
+    p = argparse.ArgumentParser(prog="bench")
+    flags = add_policy_flags(p, ["kv"])   # benchmarks/bench_routers.py: its router runs kv only
+    args = p.parse_args(["--kv-speed-spread", "4", "--no-kv-allow-migration"])
+    assert flags.options(args, ["kv"]) == {"kv": {"speed_spread": 4.0, "allow_migration": False}}
+    assert flags.options(p.parse_args([]), ["kv"]) == {}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--cache-aware-cache-threshold", "0.5"])
+    assert "unrecognized arguments: --cache-aware-cache-threshold" in capsys.readouterr().err
 
 
 def test_a_field_type_without_a_flag_asks_for_a_converter():

@@ -32,8 +32,11 @@ an LRU of its blocks, the best hit rate over greedy placements (by traffic, by
 size) of the prefixes onto the engines' capacities.
 
     python benchmarks/bench_routers.py [--engines 2] [--blocks 200] [--workload docs[,conversation,...]] [--slow]
-        [--vllm URL ...] [--kv-speed-spread 4 ...]
+        [--rounds 1] [--vllm URL ...] [--kv-speed-spread 4 ...]
 
+``--rounds N`` runs every router N times, the routers one after the other in each round, and prints each round's
+table, the medians over the rounds (with the lowest and highest) and the goals paired within each round, with how
+many rounds met each: on this shared 2-core machine one run is one sample (its p90 moves 2-3x between runs).
 ``--kv-<field>`` sets a field of ``kv``'s cost model for the kvledger router, as ``kvledger up`` takes it.
 """
 from __future__ import annotations
@@ -44,10 +47,12 @@ import itertools
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +179,10 @@ class RunResult:
         prompt = sum(c.prompt_tokens for c in self.counts)
         return sum(c.cached_tokens for c in self.counts) / prompt if prompt else 0.0
 
+    def rate(self) -> float:
+        """Completions per second over the run."""
+        return len(self.ttft) / self.wall_s if self.wall_s else 0.0
+
 
 class Background:
     """Another tenant's long decodes sent straight to one engine, ``streams`` at once, until stopped."""
@@ -285,33 +294,64 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.nanpercentile(xs, q)) if xs else float("nan")
 
 
-def report(title: str, results: list[RunResult], bound: float) -> None:
-    """The table, then the goals: on a workload that shares, ``kv``'s hit rate against the best peer's and the
+def report(title: str, rounds: list[list[RunResult]], bound: float) -> None:
+    """Each round's table (the routers in order), the medians over the rounds when there are several, then the
+    goals, each paired within a round and the median of the rounds' ratios taken (a slow spell of the machine falls
+    on the routers of one round): on a workload that shares, ``kv``'s hit rate against the best peer's and the
     offline bound, and its TTFT p90 against the best peer's; on one that shares nothing (the bound is 0), its p90
     against round robin's."""
     print(f"\n{title}")
+    for i, results in enumerate(rounds):
+        if len(rounds) > 1:
+            print(f"round {i + 1} of {len(rounds)}")
+        _table(results, bound)
+    if len(rounds) > 1:
+        _medians(rounds)
+    _goals(rounds, bound)
+
+
+def _table(results: list[RunResult], bound: float) -> None:
     print(f"{'router':<26} {'hit rate':>8} {'/bound':>7} {'requests per engine':>22} {'TTFT p50':>9} {'p90':>7} "
           f"{'p99':>7} {'req/s':>6} {'failed':>6}")
     for r in results:
         split = " / ".join(f"{c.requests:.0f}" for c in r.counts)
-        n = len(r.ttft)
         of_bound = f"{r.hit_rate() / bound:>7.2f}" if bound else f"{'-':>7}"
         print(f"{r.router:<26} {r.hit_rate():>8.1%} {of_bound} {split:>22} {pct(r.ttft, 50):>8.3f}s "
-              f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {n / r.wall_s:>6.1f} {r.failed:>6}")
+              f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {r.rate():>6.1f} {r.failed:>6}")
     ours = results[0]
     print(f"{ours.router} learned seconds per uncached prompt token: {ours.learned or '-'}")
-    peers = results[1:]
+
+
+def _medians(rounds: list[list[RunResult]]) -> None:
+    """Per router, the median over the rounds, with the lowest and highest, of its hit rate, TTFT p90 and rate."""
+    print(f"medians over {len(rounds)} rounds [lowest - highest]")
+    print(f"{'router':<26} {'hit rate':>22} {'TTFT p90':>24} {'req/s':>7}")
+    for runs in zip(*rounds):
+        hits, p90s = [r.hit_rate() for r in runs], [pct(r.ttft, 90) for r in runs]
+        print(f"{runs[0].router:<26} {statistics.median(hits):>6.1%} [{min(hits):.1%} - {max(hits):.1%}] "
+              f"{statistics.median(p90s):>7.3f}s [{min(p90s):.3f} - {max(p90s):.3f}] "
+              f"{statistics.median(r.rate() for r in runs):>7.1f}")
+
+
+def _goals(rounds: list[list[RunResult]], bound: float) -> None:
+    def line(name: str, ratios: list[float], goal: str, met: Callable[[float], bool]) -> str:
+        k = sum(map(met, ratios))
+        within = f", met in {k} of {len(ratios)} rounds" if len(ratios) > 1 else ""
+        return f"{name} {statistics.median(ratios):.3f} (goal {goal}{within})"
+
+    ours, peers = [r[0] for r in rounds], [r[1:] for r in rounds]
     if not bound:
-        rr = next((p for p in peers if p.router == "vllm-router round_robin"), None)
-        if rr is not None:
-            print(f"kv / round robin (nothing shared): TTFT p90 {pct(ours.ttft, 90) / pct(rr.ttft, 90):.3f} "
-                  f"(goal <= 1.1)")
-    elif peers:
-        best_hit = max(p.hit_rate() for p in peers)
-        best_p90 = min(pct(p.ttft, 90) for p in peers)
-        print(f"kv / best peer: hit rate {ours.hit_rate() / best_hit:.3f} (goal >= 1), TTFT p90 "
-              f"{pct(ours.ttft, 90) / best_p90:.3f} (goal <= 1); kv / offline bound {ours.hit_rate() / bound:.3f} "
-              f"(goal >= 0.95); offline bound {bound:.1%}")
+        rr = [next((p for p in ps if p.router == "vllm-router round_robin"), None) for ps in peers]
+        if all(rr):
+            ratios = [pct(o.ttft, 90) / pct(r.ttft, 90) for o, r in zip(ours, rr)]
+            print("kv / round robin (nothing shared): " + line("TTFT p90", ratios, "<= 1.1", lambda x: x <= 1.1))
+    elif all(peers):
+        hit = [o.hit_rate() / max(p.hit_rate() for p in ps) for o, ps in zip(ours, peers)]
+        p90 = [pct(o.ttft, 90) / min(pct(p.ttft, 90) for p in ps) for o, ps in zip(ours, peers)]
+        of_bound = [o.hit_rate() / bound for o in ours]
+        print("kv / best peer: " + line("hit rate", hit, ">= 1", lambda x: x >= 1) + ", "
+              + line("TTFT p90", p90, "<= 1", lambda x: x <= 1) + "; kv / offline bound "
+              + line("", of_bound, ">= 0.95", lambda x: x >= 0.95).lstrip() + f"; offline bound {bound:.1%}")
 
 
 def main() -> None:
@@ -326,6 +366,8 @@ def main() -> None:
     ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated, of: " + ", ".join(ROUTERS))
     ap.add_argument("--slow", action="store_true", help="also run with engine 0 slowed by another tenant")
     ap.add_argument("--slow-streams", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every router this many times, one after the other in each round (medians printed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm", action="append", metavar="URL", help="servers already running (started as above)")
     ap.add_argument("--serve-router", help=argparse.SUPPRESS)
@@ -338,6 +380,8 @@ def main() -> None:
         options = policies.options(args, ["kv"]).get("kv", {})
     except ValueError as e:
         ap.error(str(e))
+    if args.rounds < 1:
+        ap.error(f"--rounds: at least 1, got {args.rounds}")
     routers = args.routers.split(",")
     unknown = [r for r in routers if r not in ROUTERS]
     if unknown or routers[0] != ROUTERS[0]:
@@ -360,12 +404,12 @@ def main() -> None:
             for trace in traces:
                 bound = offline_bound(trace, [args.blocks] * len(urls))
                 for mode, streams in modes:
-                    results = [run(name, urls, events, model, trace, args.concurrency, streams, options)
-                               for name in routers]
+                    rounds = [[run(name, urls, events, model, trace, args.concurrency, streams, options)
+                               for name in routers] for _ in range(args.rounds)]
                     offered = f"at {args.rate:g}/s" if args.rate else "in a closed loop"
                     report(f"{trace.name}, {len(trace.requests)} requests {offered}, {args.concurrency} in flight; "
                            f"{len(urls)} vLLM servers of {args.blocks} blocks of {BLOCK} tokens; {mode}"
-                           + "".join(f"; kv {k} {v}" for k, v in options.items()), results, bound)
+                           + "".join(f"; kv {k} {v}" for k, v in options.items()), rounds, bound)
         finally:
             for s in servers:
                 s.stop()

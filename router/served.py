@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvledger.router.engine import Generation
+from kvledger.router.load import Dispatch
 from kvledger.router.policies import RouteDecision
 
 
@@ -50,6 +51,8 @@ class Placement:
     job: Generation | None = None
     """The generation as the decision's rank is sent it, when not the client's as it came (a split across vLLM
     servers adds the prefill's ``kv_transfer_params``)."""
+    dispatch: Dispatch | None = None
+    """Its dispatch, when counted as it was decided (``RouterService._decide``)."""
 
     def phases(self, token_times_s: list[float] | None) -> Phases:
         """Its phases, given the decoding engine's token times (seconds from its taking the request)."""

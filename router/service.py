@@ -240,7 +240,7 @@ class RouterService:
         """Where the policy would send this prompt now (nothing is sent or recorded)."""
         req = RouteRequest.of(tokens, self.config.tokens_per_block, max_tokens=max_tokens, cache_salt=cache_salt,
                               lora_id=lora_id)
-        return self._decide(req, self.models.get(model), frozenset(), record=False)
+        return self._decide(req, self.models.get(model), frozenset(), record=False)[0]
 
     def _match(self, req: RouteRequest) -> dict[int, PrefixMatch]:
         t0 = time.perf_counter()
@@ -249,7 +249,11 @@ class RouterService:
         return matches
 
     def _decide(self, req: RouteRequest, model: Model, exclude: frozenset[int], record: bool,
-                only: int | None = None) -> RouteDecision:
+                only: int | None = None, dispatch: bool = False) -> tuple[RouteDecision, Dispatch | None]:
+        """The policy's decision; with ``dispatch``, a decision served where it is made, nothing computed or moved
+        apart first, is dispatched there in the same hold of the lock, so that the next decision, though made at
+        once on another thread, counts it (else concurrent requests herd onto the rank each saw idle). A split's or
+        a migration's dispatch waits for its transfer (``None`` here)."""
         serving = set(model.ranks)
         engines = self.engines.live_engines()
         prefill_only = {*self.config.prefill_rank_ids, *self._vllm_prefill}
@@ -271,8 +275,11 @@ class RouterService:
             reported = {r: ReportedQueue(load.queued_requests, load.running_requests, load.queued_prefill_tokens)
                         .less(self.account.ended(r).since(self._asked[r])) for r, load in self._loads.items()}
             onboard = {r: load.onboard_s_per_block for r, load in self._loads.items()}
-            return self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
-                                    self.sessions.blocks_by_rank(), self.rates.prefill(), onboard, prefill, links)
+            decision = self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
+                                        self.sessions.blocks_by_rank(), self.rates.prefill(), onboard, prefill, links)
+            if not dispatch or decision.split is not None or decision.migrate_from is not None:
+                return decision, None
+            return decision, self._count(req, decision.rank, self._predicted(req, decision, 0))
 
     # ------------------------------------------------------------------ serving
 
@@ -368,9 +375,8 @@ class RouterService:
                     continue
                 decision, migrated, job = placed.decision, placed.migrated, placed.job or job
                 rank = decision.rank
-                predicted = min(self._held(req, rank, decision) + migrated * self.feed.index.block_size(rank),
-                                len(req.tokens) - 1)
-                dispatch = self._dispatch(req, rank, predicted)
+                predicted = self._predicted(req, decision, migrated)
+                dispatch = placed.dispatch if placed.dispatch is not None else self._dispatch(req, rank, predicted)
                 try:
                     engine = self.engines.engine(rank)
                     t0 = time.perf_counter()
@@ -404,6 +410,12 @@ class RouterService:
         except OverloadedError:
             self.tally.shed()
             raise
+
+    def _predicted(self, req: RouteRequest, decision: RouteDecision, migrated: int) -> int:
+        """The prompt tokens the decision's rank holds once ``migrated`` blocks are moved there (all but the
+        last, at most)."""
+        rank = decision.rank
+        return min(self._held(req, rank, decision) + migrated * self.feed.index.block_size(rank), len(req.tokens) - 1)
 
     @staticmethod
     def _held(req: RouteRequest, rank: int, decision: RouteDecision) -> int:
@@ -475,13 +487,13 @@ class RouterService:
         again."""
         if len(died) > self.config.max_retries:
             raise NoLiveRankError(f"ranks {sorted(died)} died serving the request")
-        decision = self._decide(req, model, frozenset(died), record=True, only=only)
+        decision, dispatch = self._decide(req, model, frozenset(died), record=True, only=only, dispatch=True)
         if decision.split is not None and decision.split.prefill_rank in self._vllm_prefill:
             return self._prefill_on_server(req, job, decision)
         if decision.split is not None:
             return self._prefill_apart(req, job, decision, died)
         if decision.migrate_from is None:
-            return Placement(decision)
+            return Placement(decision, dispatch=dispatch)
         try:
             moved, seconds = self._move(req, decision.migrate_from, decision.rank)
         except RankDiedError as e:
@@ -575,11 +587,16 @@ class RouterService:
                          job=dataclasses.replace(job, fields=decode_fields(job.fields, answer)))
 
     def _dispatch(self, req: RouteRequest, rank: int, predicted: int) -> Dispatch:
-        tpb = self.feed.index.block_size(rank)
         with self._lock:
-            d = self.account.dispatch(rank, len(req.tokens) - predicted, -(-(len(req.tokens) + req.max_tokens) // tpb))
-            self._tell("dispatched", d)
-            return d
+            return self._count(req, rank, predicted)
+
+    def _count(self, req: RouteRequest, rank: int, predicted: int) -> Dispatch:
+        """``req`` dispatched to ``rank``, which holds ``predicted`` of its tokens, in the load account (under the
+        lock)."""
+        tpb = self.feed.index.block_size(rank)
+        d = self.account.dispatch(rank, len(req.tokens) - predicted, -(-(len(req.tokens) + req.max_tokens) // tpb))
+        self._tell("dispatched", d)
+        return d
 
     def _prefilled(self, dispatch: Dispatch) -> None:
         """A stream's first chunk is in: its prompt is computed, so it stops counting as prefill queued on its rank

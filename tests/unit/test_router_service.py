@@ -75,6 +75,29 @@ def test_a_stream_stops_counting_as_queued_prefill_once_its_first_chunk_is_in():
     assert (s.queued_requests, s.queued_prefill_tokens, s.running_requests) == (0, 0, 0)
 
 
+def test_a_decision_counts_in_the_load_before_the_next_decision_can_see_the_rank():
+    svc = make_service(make_backend())
+    seen = []
+    place = svc._place
+
+    def placed(*args, **kwargs):   # the moment another thread may decide: the placement made, nothing sent yet
+        p = place(*args, **kwargs)
+        s = svc.account.state(p.decision.rank, svc.clock())
+        seen.append((s.queued_requests, s.queued_prefill_tokens))
+        return p
+
+    svc._place = placed
+    prompt = list(range(1, 30))
+    first = svc.complete(prompt, max_tokens=2)
+    assert seen == [(1, 29)], "concurrent requests would see the rank idle and herd onto it"
+    events = svc.stream(prompt, max_tokens=2)
+    rank, _, _ = next(events)
+    assert rank == first.rank and seen[1] == (1, 1), "the second is counted at the one token its rank lacks"
+    assert [ev for _, _, ev in events][-1] == "[DONE]"
+    s = svc.account.state(rank, svc.clock())
+    assert (s.queued_requests, s.running_requests) == (0, 0), "each dispatch is counted once and finished"
+
+
 def test_index_equals_the_ledgers_after_a_mixed_workload():
     """The issue's check: with no events in flight, probe(exact=False) == probe(exact=True)."""
     backend = make_backend(ranks=3, primary=40, secondary=12)

@@ -39,7 +39,7 @@ from kvledger.worker.wire.messages import RankLoad
 from kvledger.worker.wire.request import GREEDY, Request, Sampling
 
 from rank_fuzz import T, scratch_result
-from router_helpers import TIMEOUT, idle
+from router_helpers import TIMEOUT, idle, wait_logged
 
 PREFIX = "kvledger-pressure-test-rank"
 MAX_SEQS, MAX_STEP_TOKENS = 6, 16
@@ -173,6 +173,10 @@ def warm_up(client: httpx.Client, cache: CacheConfig) -> int:
         a = client.post("/v1/completions", json=ask.body)
         assert a.status_code == 200, a.text
         check_answer(cache, ask, a.json())
+    for stem in STEMS:   # a rank publishes a stem's blocks after it answers: the burst must find them indexed
+        full = (len(encode(stem)) - 1) // T * T
+        wait_logged(client, lambda: max((r["matched_tokens"] for r in client.post(
+            "/v1/probe", json={"prompt": stem}).json()["ranks"]), default=0) >= full, f"{stem!r} indexed")
     return len(STEMS)
 
 

@@ -334,24 +334,24 @@ def _medians(rounds: list[list[RunResult]]) -> None:
 
 
 def _goals(rounds: list[list[RunResult]], bound: float) -> None:
-    def line(name: str, ratios: list[float], goal: str, met: Callable[[float], bool]) -> str:
+    def line(ratios: list[float], goal: str, met: Callable[[float], bool]) -> str:
         k = sum(map(met, ratios))
         within = f", met in {k} of {len(ratios)} rounds" if len(ratios) > 1 else ""
-        return f"{name} {statistics.median(ratios):.3f} (goal {goal}{within})"
+        return f"{statistics.median(ratios):.3f} (goal {goal}{within})"
 
     ours, peers = [r[0] for r in rounds], [r[1:] for r in rounds]
     if not bound:
         rr = [next((p for p in ps if p.router == "vllm-router round_robin"), None) for ps in peers]
         if all(rr):
             ratios = [pct(o.ttft, 90) / pct(r.ttft, 90) for o, r in zip(ours, rr)]
-            print("kv / round robin (nothing shared): " + line("TTFT p90", ratios, "<= 1.1", lambda x: x <= 1.1))
+            print("kv / round robin (nothing shared): TTFT p90 " + line(ratios, "<= 1.1", lambda x: x <= 1.1))
     elif all(peers):
         hit = [o.hit_rate() / max(p.hit_rate() for p in ps) for o, ps in zip(ours, peers)]
         p90 = [pct(o.ttft, 90) / min(pct(p.ttft, 90) for p in ps) for o, ps in zip(ours, peers)]
         of_bound = [o.hit_rate() / bound for o in ours]
-        print("kv / best peer: " + line("hit rate", hit, ">= 1", lambda x: x >= 1) + ", "
-              + line("TTFT p90", p90, "<= 1", lambda x: x <= 1) + "; kv / offline bound "
-              + line("", of_bound, ">= 0.95", lambda x: x >= 0.95).lstrip() + f"; offline bound {bound:.1%}")
+        print("kv / best peer: hit rate " + line(hit, ">= 1", lambda x: x >= 1) + ", TTFT p90 "
+              + line(p90, "<= 1", lambda x: x <= 1) + "; kv / offline bound "
+              + line(of_bound, ">= 0.95", lambda x: x >= 0.95) + f"; offline bound {bound:.1%}")
 
 
 def main() -> None:

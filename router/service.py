@@ -249,11 +249,11 @@ class RouterService:
         return matches
 
     def _decide(self, req: RouteRequest, model: Model, exclude: frozenset[int], record: bool,
-                only: int | None = None, dispatch: bool = False) -> tuple[RouteDecision, Dispatch | None]:
-        """The policy's decision; with ``dispatch``, a decision served where it is made, nothing computed or moved
-        apart first, is dispatched there in the same hold of the lock, so that the next decision, though made at
-        once on another thread, counts it (else concurrent requests herd onto the rank each saw idle). A split's or
-        a migration's dispatch waits for its transfer (``None`` here)."""
+                only: int | None = None) -> tuple[RouteDecision, Dispatch | None]:
+        """The policy's decision; with ``record`` (the request is then sent), a decision served where it is made,
+        nothing computed or moved apart first, is dispatched there in the same hold of the lock, so that the next
+        decision, though made at once on another thread, counts it (else concurrent requests herd onto the rank
+        each saw idle). A split's or a migration's dispatch waits for its transfer (``None`` here)."""
         serving = set(model.ranks)
         engines = self.engines.live_engines()
         prefill_only = {*self.config.prefill_rank_ids, *self._vllm_prefill}
@@ -277,7 +277,7 @@ class RouterService:
             onboard = {r: load.onboard_s_per_block for r, load in self._loads.items()}
             decision = self.step.decide(req, matches, live, blocks, self.clock(), record, reported, fixed,
                                         self.sessions.blocks_by_rank(), self.rates.prefill(), onboard, prefill, links)
-            if not dispatch or decision.split is not None or decision.migrate_from is not None:
+            if not record or decision.split is not None or decision.migrate_from is not None:
                 return decision, None
             return decision, self._count(req, decision.rank, self._predicted(req, decision, 0))
 
@@ -487,7 +487,7 @@ class RouterService:
         again."""
         if len(died) > self.config.max_retries:
             raise NoLiveRankError(f"ranks {sorted(died)} died serving the request")
-        decision, dispatch = self._decide(req, model, frozenset(died), record=True, only=only, dispatch=True)
+        decision, dispatch = self._decide(req, model, frozenset(died), record=True, only=only)
         if decision.split is not None and decision.split.prefill_rank in self._vllm_prefill:
             return self._prefill_on_server(req, job, decision)
         if decision.split is not None:

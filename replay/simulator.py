@@ -457,7 +457,7 @@ class Simulator:
             have += decision.migrate_blocks
         est = req.input_length - have * T
         blocks_total = -(-(req.input_length + req.output_length) // T)
-        job = _Job(i, req, tokens, now, replica.account.dispatch(decision.rank, est, blocks_total), replica,
+        job = _Job(i, req, tokens, now, replica.account.dispatch(decision.rank, est, blocks_total, hashes), replica,
                    decision.migrate_from, blocks_total)
         rank.queue.append(job)
         self._rank_of[i] = decision.rank

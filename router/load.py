@@ -13,6 +13,11 @@ so it sees neither the start nor the end of a prefill: its requests stay
 queued, with all their prompt tokens, until they finish. The simulator sees
 every step.
 
+A dispatch names the full blocks of its prompt by hash where the rank's block size is the request's, so the
+account knows the distinct blocks in flight on each rank (``RankState.dispatched_blocks``): requests on one
+document share its blocks, and they take room once; a dispatch without hashes (a peer's, or one to a rank of
+another block size) counts all its blocks as its own.
+
 Router replicas tell each other their dispatches (``router.replica_sync``): a
 peer's are held per peer and id, apart from this router's own, so the peer's
 finish removes exactly its entry and a peer that is gone takes all of its
@@ -40,6 +45,9 @@ class Dispatch:
     """Prompt tokens the rank has to compute (the router's estimate at dispatch)."""
     blocks: int
     """Blocks it holds while it runs (prompt and output)."""
+    hashes: tuple[int, ...] = ()
+    """Its prompt's full blocks by hash (among ``blocks``), those it may share with the rank's other requests; ``()``:
+    unknown, every block its own."""
     id: int = 0
     """Unique among the dispatches of the router that made it (what its peers know it by)."""
     started_at: float | None = None
@@ -80,12 +88,19 @@ class _RankAccount:
     queued: int = 0
     queued_tokens: int = 0
     """Prompt tokens of the queued requests that have not started their prefill."""
-    queued_blocks: int = 0
-    """Blocks the queued requests will hold."""
     started: list[Dispatch] = field(default_factory=list)
     """Queued requests whose prefill has begun."""
     running: int = 0
     running_blocks: int = 0
+    holders: dict[int, int] = field(default_factory=dict)
+    """Block hash -> in-flight dispatches holding it (queued and running)."""
+    own_blocks: int = 0
+    """Blocks of in-flight dispatches not among ``holders``: their output, their partial last blocks, and every
+    block of a dispatch without hashes."""
+
+    def distinct_blocks(self) -> int:
+        """Blocks the in-flight dispatches hold together, each shared block once."""
+        return len(self.holders) + self.own_blocks
 
 
 class LoadAccount:
@@ -99,8 +114,12 @@ class LoadAccount:
         self._ended: dict[int, Ended] = {}
         """Per rank, every dispatch that finished, own or a peer's (kept when the rank leaves: marks stay valid)."""
 
-    def dispatch(self, rank: int, prefill_tokens: int, blocks: int) -> Dispatch:
-        return self._queue(Dispatch(rank, prefill_tokens, blocks, next(self._ids)))
+    def dispatch(self, rank: int, prefill_tokens: int, blocks: int, hashes: tuple[int, ...] = ()) -> Dispatch:
+        """A request sent to ``rank`` with ``prefill_tokens`` to compute, holding ``blocks`` to completion, the first
+        of them ``hashes`` (its prompt's full blocks, at the rank's block size; ``()``: unknown)."""
+        if len(hashes) > blocks:
+            raise ValueError(f"{len(hashes)} block hashes for a dispatch of {blocks} blocks")
+        return self._queue(Dispatch(rank, prefill_tokens, blocks, hashes, next(self._ids)))
 
     def peer_events(self, peer: str, events: Iterable[DispatchEvent], reset: bool = False) -> None:
         """Router ``peer``'s dispatches and finishes, in its order; ``reset``: ``events`` are all it has open, in
@@ -112,7 +131,7 @@ class LoadAccount:
         for e in events:
             if e.kind == "dispatched":
                 if e.id not in held:
-                    held[e.id] = self._queue(Dispatch(e.rank, e.prefill_tokens, e.blocks, e.id))
+                    held[e.id] = self._queue(Dispatch(e.rank, e.prefill_tokens, e.blocks, id=e.id))
             else:
                 d = held.pop(e.id, None)
                 if d is not None:
@@ -135,7 +154,10 @@ class LoadAccount:
         a = self._ranks.setdefault(d.rank, _RankAccount())
         a.queued += 1
         a.queued_tokens += d.prefill_tokens
-        a.queued_blocks += d.blocks
+        holders = a.holders
+        for h in d.hashes:
+            holders[h] = holders.get(h, 0) + 1
+        a.own_blocks += d.blocks - len(d.hashes)
         return d
 
     def started(self, d: Dispatch, now: float, duration: float) -> None:
@@ -173,6 +195,14 @@ class LoadAccount:
             a.running_blocks -= d.blocks
         else:
             _leave_queue(a, d)
+        holders = a.holders
+        for h in d.hashes:
+            left = holders[h] - 1
+            if left:
+                holders[h] = left
+            else:
+                del holders[h]
+        a.own_blocks -= d.blocks - len(d.hashes)
         return True
 
     def forget(self, rank: int) -> None:
@@ -191,10 +221,25 @@ class LoadAccount:
         started = sum(d.prefill_tokens for d in a.started)
         return a.queued + a.running, a.queued_tokens + started
 
+    def shared_blocks(self, rank: int, hashes: tuple[int, ...]) -> int:
+        """How many of ``hashes`` (a prompt's full blocks, from the first) requests in flight on ``rank`` hold: room
+        the prompt would not take again there. Blocks are chained, so the shared ones are a prefix."""
+        a = self._ranks.get(rank)
+        if a is None or not a.holders:
+            return 0
+        holders, k = a.holders, 0
+        for h in hashes:   # bounded by the prompt's blocks
+            if h not in holders:
+                break
+            k += 1
+        return k
+
     def state(self, rank: int, now: float, kv_used_blocks: int = 0, kv_total_blocks: int = 0,
               reported: ReportedQueue | None = None, migratable: bool = True, session_blocks: int = 0,
-              prefill_s_per_token: float = 0.0, onboard_s_per_block: float | None = None) -> RankState:
-        """``rank`` as the policies see it at ``now``; the blocks in use (and its measured onboard time per host
+              prefill_s_per_token: float = 0.0, onboard_s_per_block: float | None = None,
+              prompt: tuple[int, ...] = ()) -> RankState:
+        """``rank`` as the policies see it at ``now``, for placing a prompt of full blocks ``prompt`` (hashes: how
+        many of them the requests in flight there hold); the blocks in use (and its measured onboard time per host
         block) come from the rank's own report, those live sessions left there (``session_blocks``) from the
         router's session table, its speed (``prefill_s_per_token``) from its answers.
 
@@ -214,14 +259,13 @@ class LoadAccount:
             queued = max(a.queued + a.running, reported.waiting + reported.running) - running
             pending = max(pending, reported.prefill_tokens)
         return RankState(rank, True, queued, pending, running, a.running_blocks, kv_used_blocks, kv_total_blocks,
-                         migratable, a.queued_blocks + a.running_blocks, session_blocks, prefill_s_per_token,
-                         onboard_s_per_block)
+                         migratable, a.distinct_blocks(), session_blocks, prefill_s_per_token,
+                         onboard_s_per_block, self.shared_blocks(rank, prompt))
 
 
 def _leave_queue(a: _RankAccount, d: Dispatch) -> None:
     """``d`` is no longer queued on its rank: its prompt tokens (or its started prefill) stop counting."""
     a.queued -= 1
-    a.queued_blocks -= d.blocks
     if d.started_at is None:
         a.queued_tokens -= d.prefill_tokens
     else:

@@ -46,7 +46,7 @@ class RouteStep:
 
         def state(r: int) -> RankState:
             return self.account.state(r, now, *blocks.get(r, (0, 0)), reported.get(r), r not in fixed,
-                                      sessions.get(r, 0), rates.get(r, 0.0), onboard.get(r))
+                                      sessions.get(r, 0), rates.get(r, 0.0), onboard.get(r), request.block_hashes)
 
         states = [state(r) for r in live]
         loads = {s.rank: s for s in states}

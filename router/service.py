@@ -594,7 +594,8 @@ class RouterService:
         """``req`` dispatched to ``rank``, which holds ``predicted`` of its tokens, in the load account (under the
         lock)."""
         tpb = self.feed.index.block_size(rank)
-        d = self.account.dispatch(rank, len(req.tokens) - predicted, -(-(len(req.tokens) + req.max_tokens) // tpb))
+        d = self.account.dispatch(rank, len(req.tokens) - predicted, -(-(len(req.tokens) + req.max_tokens) // tpb),
+                                  req.block_hashes if tpb == req.tokens_per_block else ())
         self._tell("dispatched", d)
         return d
 

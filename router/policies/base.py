@@ -48,8 +48,8 @@ class RankState:
     migratable: bool = True
     """Whether KV can be moved to or from it (kvledger's own ranks; not a vLLM server)."""
     dispatched_blocks: int = 0
-    """Blocks the router's requests in flight here hold or will hold (queued and running): what its last report of
-    ``kv_used_blocks`` may not show yet."""
+    """Blocks the router's requests in flight here hold or will hold together (queued and running; a block they
+    share counted once): what its last report of ``kv_used_blocks`` may not show yet."""
     session_blocks: int = 0
     """Device blocks live sessions (``router.sessions``) left here for their next turn: free in the rank's books,
     occupied in ``kv``'s (its protection term)."""
@@ -59,11 +59,14 @@ class RankState:
     onboard_s_per_block: float | None = None
     """Seconds the rank measured to bring one block up from its host tier (``None``: not measured; ``kv`` takes
     its cost model's figure)."""
+    shared_prompt_blocks: int = 0
+    """Of the prompt being placed, the full blocks that requests in flight here hold already (from the first): it
+    takes no more room for them beside those requests."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "queued_requests", "queued_prefill_tokens", "running_requests",
                      "running_decode_blocks", "kv_used_blocks", "kv_total_blocks", "dispatched_blocks",
-                     "session_blocks"):
+                     "session_blocks", "shared_prompt_blocks"):
             _nonneg_int(getattr(self, name), name)
         if type(self.prefill_s_per_token) not in (int, float) or not 0 <= self.prefill_s_per_token < math.inf:
             raise ValueError(f"prefill_s_per_token must be a finite number >= 0, got {self.prefill_s_per_token!r}")

@@ -433,3 +433,51 @@ def test_kv_counts_migrated_blocks_as_taking_room_on_the_target():
               RankState(2, queued_prefill_tokens=8, kv_total_blocks=13)]
     d = policy.route(req(PROMPT41, 0), states, {0: held(10)})
     assert (d.rank, d.migrate_from, d.migrate_blocks) == (2, 0, 10)
+
+
+def test_kv_does_not_pile_a_burst_past_what_the_holder_can_run_at_once():
+    """Rank 0 holds the prompt's 10 blocks, but the requests in flight there hold 20 of its 24 blocks, none of them
+    this prompt's: its 13 blocks to completion cannot run beside them, so the engine would hold it back or preempt.
+    It goes to the idle rank 1 and computes the prompt there; without the fit term it stays on the holder. A prompt
+    whose blocks the requests in flight share (another question on their document) still fits there."""
+    cost = KvCostModel(prefill_s_per_token=1e-3, allow_migration=False, eviction_weight=0, occupancy_weight=0,
+                       fit_weight=2)
+    states = [RankState(0, running_requests=4, kv_total_blocks=24, dispatched_blocks=20),
+              RankState(1, kv_total_blocks=24)]
+    d = KvPolicy(cost).route(req(PROMPT41), states, {0: held(10)})
+    over = 13 - (24 - 20)   # 42 tokens + 8 to decode: 13 blocks of 4
+    assert d.scores == pytest.approx({0: (42 - 40) * 1e-3 + 2 * over * TPB * 1e-3, 1: 42e-3}) and d.rank == 1
+    assert KvPolicy(dataclasses.replace(cost, fit_weight=0)).route(req(PROMPT41), states, {0: held(10)}).rank == 0
+    shared = [dataclasses.replace(states[0], shared_prompt_blocks=10), states[1]]
+    d = KvPolicy(cost).route(req(PROMPT41), shared, {0: held(10)})
+    assert d.scores[0] == pytest.approx(2e-3) and d.rank == 0, "3 more blocks fit beside what runs"
+    # the engine's own count of its blocks in use wins where it is larger
+    reported = [dataclasses.replace(states[0], dispatched_blocks=0, kv_used_blocks=20), states[1]]
+    assert KvPolicy(cost).route(req(PROMPT41), reported, {0: held(10)}).scores[0] == pytest.approx(
+        (42 - 40) * 1e-3 + 2 * over * TPB * 1e-3)
+
+
+def test_the_load_account_counts_the_blocks_in_flight_once_however_many_requests_share_them():
+    """Two questions on one 10-block document in flight on rank 0 hold its blocks once, each its own output; a
+    prompt on the same document shares its 10 blocks with them (a prompt on another document none), and the blocks
+    go when the last request holding them ends."""
+    account = LoadAccount()
+    doc = req(PROMPT41).block_hashes
+    a = account.dispatch(0, 42, 13, doc)
+    b = account.dispatch(0, 2, 13, doc)
+    peer = account.dispatch(0, 20, 6)   # no hashes (a peer's, another block size): every block its own
+    other = req(list(range(500, 542))).block_hashes
+    state = account.state(0, 0.0, prompt=doc)
+    assert (state.dispatched_blocks, state.shared_prompt_blocks) == (10 + 3 + 3 + 6, 10)
+    assert account.state(0, 0.0, prompt=other).shared_prompt_blocks == 0
+    assert account.state(1, 0.0, prompt=doc).shared_prompt_blocks == 0
+    account.prefilled(a)
+    account.finished(a)
+    assert account.state(0, 0.0, prompt=doc).dispatched_blocks == 10 + 3 + 6
+    account.finished(b)
+    account.finished(peer)
+    state = account.state(0, 0.0, prompt=doc)
+    assert (state.dispatched_blocks, state.shared_prompt_blocks) == (0, 0)
+    with pytest.raises(ValueError, match="10 block hashes for a dispatch of 4 blocks"):
+        account.dispatch(0, 42, 4, doc)
+    assert account.state(0, 0.0).inflight_requests == 0, "a refused dispatch counts nowhere"

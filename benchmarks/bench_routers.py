@@ -312,12 +312,13 @@ def report(title: str, rounds: list[list[RunResult]], bound: float) -> None:
 
 def _table(results: list[RunResult], bound: float) -> None:
     print(f"{'router':<26} {'hit rate':>8} {'/bound':>7} {'requests per engine':>22} {'TTFT p50':>9} {'p90':>7} "
-          f"{'p99':>7} {'req/s':>6} {'failed':>6}")
+          f"{'p99':>7} {'req/s':>6} {'failed':>6} {'preempted per engine':>21}")
     for r in results:
         split = " / ".join(f"{c.requests:.0f}" for c in r.counts)
+        preempted = " / ".join(f"{c.preemptions:.0f}" for c in r.counts)
         of_bound = f"{r.hit_rate() / bound:>7.2f}" if bound else f"{'-':>7}"
         print(f"{r.router:<26} {r.hit_rate():>8.1%} {of_bound} {split:>22} {pct(r.ttft, 50):>8.3f}s "
-              f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {r.rate():>6.1f} {r.failed:>6}")
+              f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {r.rate():>6.1f} {r.failed:>6} {preempted:>21}")
     ours = results[0]
     print(f"{ours.router} learned seconds per uncached prompt token: {ours.learned or '-'}")
 

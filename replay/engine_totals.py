@@ -2,9 +2,10 @@
 
 A bench reads each server's totals before and after a run and keeps the
 difference (``EngineTotals.since``): prompt tokens and prefix-cache hits (the
-hit rate), finished requests (the split over the engines) and the seconds its
+hit rate), finished requests (the split over the engines), the seconds its
 requests spent being served (``vllm:request_inference_time_seconds``, the
-engine's work). Counters of every data-parallel core are summed.
+engine's work) and the requests it preempted for want of KV blocks (each computed
+again). Counters of every data-parallel core are summed.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 _SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens", "vllm:prefix_cache_hits_total": "cached_tokens",
             "vllm:request_success_total": "requests", "vllm:request_inference_time_seconds_sum": "busy_s",
-            "vllm:external_prefix_cache_hits_total": "external_tokens"}
+            "vllm:external_prefix_cache_hits_total": "external_tokens", "vllm:num_preemptions_total": "preemptions"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class EngineTotals:
     """Seconds its requests spent from scheduled to finished, summed."""
     external_tokens: float = 0.0
     """Prompt tokens its KV connector supplied (another server computed them: a prefill handed over)."""
+    preemptions: float = 0.0
+    """Requests it preempted because its KV blocks ran out (vLLM computes a preempted request's KV again)."""
 
     @classmethod
     def parse(cls, metrics_text: str) -> EngineTotals:
@@ -50,7 +53,7 @@ class EngineTotals:
     def since(self, before: EngineTotals) -> EngineTotals:
         return EngineTotals(self.prompt_tokens - before.prompt_tokens, self.cached_tokens - before.cached_tokens,
                             self.requests - before.requests, self.busy_s - before.busy_s,
-                            self.external_tokens - before.external_tokens)
+                            self.external_tokens - before.external_tokens, self.preemptions - before.preemptions)
 
     @property
     def hit_rate(self) -> float:

@@ -7,6 +7,7 @@ The router runs in this process with no ranks of its own. Every prompt starts wi
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.timeout(int(START_TIMEOUT_S) + 600)   # set-up starts t
 
 BLOCK = 32
 LOAD_WAIT_S = 60.0
+ATTEMPTS = 3
+"""Generations ``test_each_cores_load_is_its_own`` runs at most, until its sampler takes a sample of one."""
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +95,30 @@ def test_each_cores_load_is_its_own(router) -> None:
     core 1's load shows them and core 0's does not.
 
     Four choices of 1900 tokens, not streamed: the server is busy streaming otherwise, and its ``/metrics``
-    then answers in seconds (measured: 2 s), after a shorter generation has ended."""
+    then answers in seconds (measured: 2 s), after a shorter generation has ended. The sampler needs the GIL of
+    this process: in the whole suite it once got none for the 2.8 s a generation took (its first 0.1 s wait
+    returned after the answer), so a generation it took no sample of runs again, at most ``ATTEMPTS`` times."""
     service, _ = router
     busy, idle = service.engines.engine(1001), service.engines.engine(1000)
-    job = Generation(10, prompt(8, 50), 1900, n=4, fields={"temperature": 1.0, "ignore_eos": True})
+    stalls = []
+    for attempt in range(ATTEMPTS):
+        took, seen = _sample_loads(busy, idle, Generation(10 + attempt * 10, prompt(8, 50), 1900, n=4,
+                                                          fields={"temperature": 1.0, "ignore_eos": True}))
+        if seen:
+            break
+        stalls.append(took)
+    running = [(b.running_requests, i.running_requests + i.queued_requests) for b, i in seen]
+    assert any(b >= 1 and i == 0 for b, i in running), (
+        f"core 1 never reported its requests alone: {running}; generations (seconds) no sample was taken of: "
+        f"{stalls}")
+
+
+def _sample_loads(busy, idle, job: Generation) -> tuple[float, list]:
+    """Run ``job`` on ``busy`` and sample both engines' loads every 0.1 s while it runs, until one shows it running:
+    the generation's seconds, and the samples (busy's load, idle's load)."""
     done = threading.Event()
     failed: list[BaseException] = []
+    t0 = time.monotonic()
 
     def run() -> None:
         try:
@@ -115,5 +136,4 @@ def test_each_cores_load_is_its_own(router) -> None:
     thread.join(timeout=LOAD_WAIT_S)
     assert done.is_set(), f"the generation did not end within {LOAD_WAIT_S:g} s"
     assert not failed, f"the generation failed: {failed[0]!r}"
-    running = [(b.running_requests, i.running_requests + i.queued_requests) for b, i in seen]
-    assert any(b >= 1 and i == 0 for b, i in running), f"core 1 never reported its requests alone: {running}"
+    return time.monotonic() - t0, seen

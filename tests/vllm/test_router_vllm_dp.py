@@ -95,9 +95,10 @@ def test_each_cores_load_is_its_own(router) -> None:
     core 1's load shows them and core 0's does not.
 
     Four choices of 1900 tokens, not streamed: the server is busy streaming otherwise, and its ``/metrics``
-    then answers in seconds (measured: 2 s), after a shorter generation has ended. The sampler needs the GIL of
-    this process: in the whole suite it once got none for the 2.8 s a generation took (its first 0.1 s wait
-    returned after the answer), so a generation it took no sample of runs again, at most ``ATTEMPTS`` times."""
+    then answers in seconds (measured: 2 s), after a shorter generation has ended. The sampler runs in this
+    process beside the router's threads: in the whole suite its first 0.1 s wait once returned only after the 2.8 s
+    generation had ended (the process stalled; why is not known), so a generation it took no sample of runs again,
+    at most ``ATTEMPTS`` times."""
     service, _ = router
     busy, idle = service.engines.engine(1001), service.engines.engine(1000)
     stalls = []

@@ -19,7 +19,10 @@ dependencies. Before each router the servers' prefix caches are reset. Every
 figure comes from the engines: the hit rate and the requests per engine from the
 deltas of their ``/metrics`` (``vllm:prefix_cache_hits_total`` over
 ``vllm:prompt_tokens_total``; each router's one-token warm-up completion is among
-them), TTFT from the first streamed chunk.
+them), TTFT from the first streamed chunk. Beside each engine's requests, its
+preemptions (its KV blocks ran out) and its first tokens over a second by its own
+clock (``vllm:time_to_first_token_seconds``): a stall the engine saw, where the
+client's TTFT alone cannot tell an engine's stall from a router's.
 
 ``--slow`` runs each router a second time with engine 0 slowed by another
 tenant's long decodes sent to it directly (``--slow-streams`` at once), which the
@@ -66,7 +69,7 @@ from vllm_engines import VllmServer, start_bench_servers  # noqa: E402
 
 from kvledger.launch.policy_flags import add_policy_flags  # noqa: E402
 from kvledger.replay.bounds import static_split_cached_tokens  # noqa: E402
-from kvledger.replay.engine_totals import EngineTotals  # noqa: E402
+from kvledger.replay.engine_totals import SLOW_FIRST_TOKEN_S, EngineTotals  # noqa: E402
 from kvledger.replay.peers import Peer, PeerRouter, RouterProcess, event_endpoints  # noqa: E402
 from kvledger.replay.text_prompts import prompt_text  # noqa: E402
 from kvledger.replay.trace import Trace  # noqa: E402
@@ -312,13 +315,15 @@ def report(title: str, rounds: list[list[RunResult]], bound: float) -> None:
 
 def _table(results: list[RunResult], bound: float) -> None:
     print(f"{'router':<26} {'hit rate':>8} {'/bound':>7} {'requests per engine':>22} {'TTFT p50':>9} {'p90':>7} "
-          f"{'p99':>7} {'req/s':>6} {'failed':>6} {'preempted per engine':>21}")
+          f"{'p99':>7} {'req/s':>6} {'failed':>6} {'preempted per engine':>21} {f'engine TTFT > {SLOW_FIRST_TOKEN_S:g} s':>18}")
     for r in results:
         split = " / ".join(f"{c.requests:.0f}" for c in r.counts)
         preempted = " / ".join(f"{c.preemptions:.0f}" for c in r.counts)
+        slow = " / ".join(f"{c.slow_first_tokens:.0f}" for c in r.counts)
         of_bound = f"{r.hit_rate() / bound:>7.2f}" if bound else f"{'-':>7}"
         print(f"{r.router:<26} {r.hit_rate():>8.1%} {of_bound} {split:>22} {pct(r.ttft, 50):>8.3f}s "
-              f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {r.rate():>6.1f} {r.failed:>6} {preempted:>21}")
+              f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {r.rate():>6.1f} {r.failed:>6} {preempted:>21} "
+              f"{slow:>18}")
     ours = results[0]
     print(f"{ours.router} learned seconds per uncached prompt token: {ours.learned or '-'}")
 

@@ -12,7 +12,7 @@ only a router or client saw). Counters of every data-parallel core are summed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,10 +67,7 @@ class EngineTotals:
         return cls.parse(r.text)
 
     def since(self, before: EngineTotals) -> EngineTotals:
-        return EngineTotals(self.prompt_tokens - before.prompt_tokens, self.cached_tokens - before.cached_tokens,
-                            self.requests - before.requests, self.busy_s - before.busy_s,
-                            self.external_tokens - before.external_tokens, self.preemptions - before.preemptions,
-                            self.slow_first_tokens - before.slow_first_tokens)
+        return EngineTotals(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
 
     @property
     def hit_rate(self) -> float:

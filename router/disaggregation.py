@@ -182,4 +182,4 @@ def _room(s: RankState) -> int:
     unknown pool has room."""
     if not s.kv_total_blocks:
         return 1 << 62
-    return s.kv_total_blocks - max(s.kv_used_blocks, s.dispatched_blocks)
+    return s.kv_total_blocks - s.blocks_in_use

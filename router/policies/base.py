@@ -84,6 +84,12 @@ class RankState:
         return self.queued_requests + self.running_requests
 
     @property
+    def blocks_in_use(self) -> int:
+        """Device blocks taken as far as the router knows: the rank's report, or the distinct blocks the router's
+        requests in flight there hold if more (a report lags them; it counts them too, so the two are not added)."""
+        return max(self.kv_used_blocks, self.dispatched_blocks)
+
+    @property
     def kv_utilisation(self) -> float:
         return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
 

@@ -117,12 +117,12 @@ class KvCostModel:
     there is mostly overhead and batch interference), and at 4 ``kv`` moved most documents onto one engine."""
     fit_weight: float = 0.5
     """A placement whose blocks to completion, less those its prompt shares with the requests in flight on the rank,
-    do not fit the rank's device blocks beside what those requests hold (``RankState.dispatched_blocks``, or the
-    rank's report of its blocks in use if larger) cannot run there at once: the engine holds it back until blocks
-    free, or preempts a running request, whose blocks are computed again. It pays this multiple of the
-    overflowing blocks' prefill (0: what runs at once is not weighed). In the simulator's bursts (2 ranks of 200
-    blocks, one of them slowed or not) 0.5 gains up to 5.5 points of hit rate on ``docs``, ``powerlaw``,
-    ``conversation`` and ``agents`` and loses none; at 2 the even conversation burst's p90 grows by a third."""
+    do not fit the rank's device blocks beside what those requests hold (``RankState.blocks_in_use``) cannot run
+    there at once: the engine holds it back until blocks free, or preempts a running request, whose blocks are
+    computed again. It pays this multiple of the overflowing blocks' prefill (0: what runs at once is not weighed).
+    In the simulator's bursts (2 ranks of 200 blocks, one of them slowed or not) 0.5 gains up to 5.5 points of hit
+    rate on ``docs``, ``powerlaw``, ``conversation`` and ``agents`` and loses none; at 2 the even conversation
+    burst's p90 grows by a third."""
     occupancy_weight: float = 0.5
     """Each block a placement adds to a rank pays this multiple of a block's prefill times the share of the rank's
     blocks then in use: room is worth more where little is left, so new prefixes spread over the cluster's caches
@@ -242,12 +242,12 @@ class _Evictions:
         seconds = 0.0
         protected = s.session_blocks - (own.blocks if own is not None and own.rank == rank else 0)
         if protected > 0 and c.protection_weight:
-            free = s.kv_total_blocks - max(s.kv_used_blocks, s.dispatched_blocks) - protected
+            free = s.kv_total_blocks - s.blocks_in_use - protected
             evicted = min(protected, max(0, new - max(free, 0)))
             seconds += evicted * bs * p * c.protection_weight
         if c.fit_weight:
             need = self.blocks - s.shared_prompt_blocks
-            over = min(need, max(s.kv_used_blocks, s.dispatched_blocks) + need - s.kv_total_blocks)
+            over = min(need, s.blocks_in_use + need - s.kv_total_blocks)
             if over > 0:
                 seconds += over * bs * p * c.fit_weight
         if new <= 0:

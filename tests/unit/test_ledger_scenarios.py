@@ -117,7 +117,7 @@ def test_priority_eviction_order_and_descendants_kept():
     low_hashes = block_hashes([5] * 8, 4)
     # 3 new blocks: the free empty block goes first, then priority 10 (tail first), never priority 90.
     mgr.add_sequence(make_request(3, [9] * 12))
-    assert mgr.take_events() == [BlockRemoved([low_hashes[1]], "GPU"), BlockRemoved([low_hashes[0]], "GPU")]
+    assert mgr.take_events() == [BlockRemoved([low_hashes[1], low_hashes[0]], "GPU")]   # one removal, in order
     assert mgr.probe_prefix_match_length(A + [0]) == 12
     mgr.remove_sequence(3)
 

@@ -112,8 +112,8 @@ class BlockPool:
         return self.take_free_n(1, count_alloc)[0]
 
     def take_free_n(self, n: int, count_alloc: bool) -> list[Block]:
-        """``n`` clean primary blocks, the same victims, moves and events as ``n`` calls of ``take_free``, booked in
-        one pass: allocation is the ledger's hottest path."""
+        """``n`` clean primary blocks, the same victims and moves as ``n`` calls of ``take_free`` (their removals
+        announced together, ``_move_n``), booked in one pass: allocation is the ledger's hottest path."""
         out = self.eviction.take_n(PRIMARY, n)
         # ``take_n`` empties the lowest level first: the blocks with no key (level 0) come before the stored ones
         first = next((i for i, b in enumerate(out) if b.key is not None), n)
@@ -153,30 +153,37 @@ class BlockPool:
     def _move_n(self, blocks: list[Block], dsts: list[Block | None], to: int) -> None:
         """Book a run of tier moves in order, in one pass (eviction is a hot path; ``_offload`` and ``_swap_in``
         book one): each of ``blocks`` swaps into tier ``to`` with its block of ``dsts`` there (clean, or stored and
-        dropped first, as ``forget`` drops one), or is dropped where that is ``None``. The events go out in order,
-        the copies are planned together, nothing is released."""
+        dropped first, as ``forget`` drops one), or is dropped where that is ``None``. The removals go out first, one
+        event per tier naming every block it lost in order (as vLLM batches them: 64 events fewer to build, publish
+        and index for a 64-block onboard), then each move's update in order; the copies are planned together,
+        nothing is released."""
         window, frm = self.window, SECONDARY if to == PRIMARY else PRIMARY
         old, new = TIER_MEDIUM[frm], TIER_MEDIUM[to]
         self.pools.plan_n(frm, [b.slot for b, d in zip(blocks, dsts) if d is not None], to,
                           [d.slot for d in dsts if d is not None])
         events: list[KVEvent] = []
         put = events.append
-        gone: list[Block] = []
+        dropped: list[Block] = []   # victims dropped in place of a move: gone from tier ``frm``
+        displaced: list[Block] = []   # stored blocks of tier ``to`` a move overwrites
         for b, d in zip(blocks, dsts):
             if d is None:
-                put(BlockRemoved([b.block_hash], old, window))
-                gone.append(b)
+                dropped.append(b)
                 continue
             if d.node is not None:
-                put(BlockRemoved([d.block_hash], new, window))
-                gone.append(d)
+                displaced.append(d)
             b.slot, d.slot = d.slot, b.slot
             b.tier, d.tier = to, frm
             if b.block_hash is not None:   # positional: ``block_hash, old_medium, new_medium, priorities, group``
                 put(BlockUpdated(b.block_hash, old, new, None, None, window))
-        self.tree.detach_n(gone)
-        self._wipe_n(gone)
-        self.events.put_n(events)
+        # each tier's removals as one event, before the moves (they name other blocks: the order between them is
+        # the consumer's to ignore)
+        removals = [BlockRemoved([g.block_hash for g in gone], medium, window)
+                    for gone, medium in ((dropped, old), (displaced, new)) if gone]
+        for gone in (dropped, displaced):
+            if gone:
+                self.tree.detach_n(gone)
+                self._wipe_n(gone)
+        self.events.put_n(removals + events if removals else events)
 
     def _clean(self, b: Block) -> Block:
         """A clean primary block in place of claimed stored victim ``b``: offloaded when its priority earns that and

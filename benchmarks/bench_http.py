@@ -12,14 +12,19 @@ turn, in one run:
 
 For each: the sequential latency p50/p99 of text completions of ``max_tokens`` 1
 (each prompt its own), and what it adds over going direct; then requests per
-second with ``--concurrency`` in flight, and its ratio to direct. Every router
+second with ``--concurrency`` in flight, and its ratio to direct; then streamed
+completions of ``--stream-tokens`` tokens, ``--stream-concurrency`` in flight:
+streams per second against direct's, and the router's CPU per stream (its
+processes' user and system time from ``/proc``: what it takes from the engine
+on a shared machine). Every router
 is started first. In each of ``--rounds`` rounds the sequential requests go to
 the targets in turn, request by request (the machine is shared, and the
 server's own latency drifts by 2x over a run: a slow spell then falls on every
 target alike), then each target's burst runs; the medians are reported. The
 goals are printed as ratios beside them.
 
-    python benchmarks/bench_http.py [--no-peers] [--vllm URL] [--requests 300] [--burst 1280] [--concurrency 64] [--rounds 5]
+    python benchmarks/bench_http.py [--no-peers] [--vllm URL] [--requests 300] [--burst 1280] [--concurrency 64]
+        [--streams 96] [--stream-tokens 64] [--stream-concurrency 8] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +66,9 @@ class Figures:
     p50_ms: float
     p99_ms: float
     req_s: float
+    streams_s: float
+    stream_cpu_ms: float
+    """The router's CPU per streamed completion (0 for direct)."""
 
 
 def body(model: str, i: int) -> dict:
@@ -101,18 +110,54 @@ async def _burst(url: str, model: str, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def measure(targets: list[tuple[str, str]], model: str, args: argparse.Namespace) -> list[Figures]:
+def session_cpu_s(session: int | None) -> float:
+    """User and system seconds of every live process in ``session`` (a router and its children); 0 for none."""
+    if session is None:
+        return 0.0
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:   # it exited
+            continue
+        if int(fields[3]) == session:   # the fields after the name: state, ppid, pgrp, session, ...
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _streams(url: str, model: str, n: int, concurrency: int, tokens: int) -> float:
+    """``n`` streamed completions of ``tokens`` tokens, ``concurrency`` in flight: streams per second."""
+    body = {"model": model, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+
+    def one(c: httpx.Client, i: int) -> None:
+        with c.stream("POST", "/v1/completions", json={**body, "prompt": f"stream {i:06d}: the quick brown fox"}) as r:
+            r.raise_for_status()
+            for _ in r.iter_raw():
+                pass
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, limits=limits) as c, ThreadPoolExecutor(concurrency) as pool:
+        t0 = time.perf_counter()
+        for f in [pool.submit(one, c, i) for i in range(n)]:
+            f.result(timeout=HTTP_TIMEOUT_S * 2)
+        return n / (time.perf_counter() - t0)
+
+
+def measure(targets: list[tuple[str, str, int | None]], model: str, args: argparse.Namespace) -> list[Figures]:
     """One round: a burst to each target that warms every connection (and the router's threads) up; every
     target's sequential latency, the targets interleaved; then each one's rate at ``--concurrency`` in flight,
-    in turn."""
-    for _, url in targets:
+    and its streams, in turn. ``targets``: name, URL and the router's process session (``None``: direct)."""
+    for _, url, _ in targets:
         asyncio.run(_burst(url, model, WARMUP * args.concurrency // 4, args.concurrency))
-    lat = sequential(targets, model, args.requests)
+    lat = sequential([(name, url) for name, url, _ in targets], model, args.requests)
     round_ = []
-    for name, url in targets:
+    for name, url, session in targets:
         rate = asyncio.run(_burst(url, model, args.burst, args.concurrency))
-        f = Figures(name, statistics.median(lat[name]), float(np.percentile(lat[name], 99)), rate)
-        print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s", flush=True)
+        cpu0 = session_cpu_s(session)
+        streams = _streams(url, model, args.streams, args.stream_concurrency, args.stream_tokens)
+        cpu_ms = (session_cpu_s(session) - cpu0) / args.streams * 1e3
+        f = Figures(name, statistics.median(lat[name]), float(np.percentile(lat[name], 99)), rate, streams, cpu_ms)
+        print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s; {streams:.1f} streams/s, "
+              f"router CPU {cpu_ms:.2f} ms per stream", flush=True)
         round_.append(f)
     return round_
 
@@ -120,14 +165,15 @@ def measure(targets: list[tuple[str, str]], model: str, args: argparse.Namespace
 def report(rounds: list[list[Figures]], concurrency: int) -> None:
     """The medians of every target's rounds, then the goals, each figure paired with direct's in its own round
     (a slow spell of the shared machine falls on both sides of a pair) and the median of the pairs taken."""
-    results = [Figures(f[0].name, *(statistics.median(getattr(x, k) for x in f) for k in ("p50_ms", "p99_ms", "req_s")))
-               for f in zip(*rounds)]
+    keys = ("p50_ms", "p99_ms", "req_s", "streams_s", "stream_cpu_ms")
+    results = [Figures(f[0].name, *(statistics.median(getattr(x, k) for x in f) for k in keys)) for f in zip(*rounds)]
     direct = results[0]
     print(f"\n{'target':<26} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} "
-          f"{f'req/s @{concurrency}':>10} {'/direct':>8}")
+          f"{f'req/s @{concurrency}':>10} {'/direct':>8} {'streams/s':>10} {'/direct':>8} {'CPU ms/stream':>14}")
     for f in results:
         print(f"{f.name:<26} {f.p50_ms:>7.2f} {f.p99_ms:>7.2f} {f.p50_ms - direct.p50_ms:>8.2f} "
-              f"{f.p99_ms - direct.p99_ms:>8.2f} {f.req_s:>10.1f} {f.req_s / direct.req_s:>8.2f}")
+              f"{f.p99_ms - direct.p99_ms:>8.2f} {f.req_s:>10.1f} {f.req_s / direct.req_s:>8.2f} "
+              f"{f.streams_s:>10.1f} {f.streams_s / direct.streams_s:>8.2f} {f.stream_cpu_ms:>14.2f}")
 
     def paired(i: int, what: Callable[[Figures, Figures], float]) -> float:
         return statistics.median(what(r[i], r[0]) for r in rounds)
@@ -143,6 +189,8 @@ def report(rounds: list[list[Figures]], concurrency: int) -> None:
         over = statistics.median(r[1].p50_ms - r[best].p50_ms for r in rounds)   # its addition less the peer's
         print(f"kvledger: +{over:.2f} ms at p50 over {results[best].name}'s addition (paired), / goal "
               f"{over / ADDED_MS_GOAL:.2f} (goal <= {ADDED_MS_GOAL:g} ms: ratio <= 1)")
+        cpu = statistics.median(r[1].stream_cpu_ms / r[best].stream_cpu_ms for r in rounds if r[best].stream_cpu_ms)
+        print(f"kvledger: {cpu:.2f}x {results[best].name}'s CPU per streamed completion (paired)")
 
 
 def main() -> None:
@@ -152,6 +200,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300, help="sequential completions per target")
     ap.add_argument("--burst", type=int, default=1280, help="completions per target at --concurrency in flight")
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=96, help="streamed completions per target and round")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="tokens of each streamed completion")
+    ap.add_argument("--stream-concurrency", type=int, default=8, help="streams in flight")
     ap.add_argument("--rounds", type=int, default=5,
                     help="every target measured this many times, in turn; the medians are reported")
     args = ap.parse_args()
@@ -169,7 +220,7 @@ def main() -> None:
             try:
                 for name in ("kvledger kv", *(() if args.no_peers else PEERS)):
                     routers.append(start_router(name, [url], [event], model))
-                targets = [("direct", url), *((r.name, r.url) for r in routers)]
+                targets = [("direct", url, None), *((r.name, r.url, r.proc.pid) for r in routers)]
                 rounds = []
                 for i in range(args.rounds):
                     print(f"round {i + 1}", flush=True)

@@ -73,6 +73,7 @@ from kvledger.router.service import RouterService
 from kvledger.router.sessions import session_of
 from kvledger.router.stats import Histogram
 from kvledger.router.tenants import OPEN, ApiKeys, AuthError, Caller, ForbiddenError
+from kvledger.router.thread_stream import ThreadedStream
 
 logger = logging.getLogger(__name__)
 _encode_json = msgspec.json.Encoder().encode
@@ -451,8 +452,8 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
                     priority=body.priority, model=model, fields=fields, chat=chat, n=body.n, caller=who,
                     session=session)
         if body.stream:
-            return StreamingResponse(_relay(service.stream(tokens, **args), body.include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(ThreadedStream(_relay(service.stream(tokens, **args), body.include_usage),
+                                                    threads), media_type="text/event-stream")
         result = service.complete(tokens, **args)
         return _answer(result)
 
@@ -512,8 +513,8 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
                     "priority": body.priority, "model": model, "fields": fields, "chat": True, "responses": True,
                     "rank": None if before is None else before.rank, "caller": who, "session": session}
             if body.stream:
-                return StreamingResponse(_relay_responses(service.stream(tokens, **args), remember),
-                                         media_type="text/event-stream")
+                return StreamingResponse(ThreadedStream(_relay_responses(service.stream(tokens, **args), remember),
+                                                        threads), media_type="text/event-stream")
             result = service.complete(tokens, **args)
             remember(result.answer, result.rank)
             return _answer(result)

@@ -332,8 +332,27 @@ def completion_answer(request_id: str, model: str, choices: list[Choice], usage_
             "model": model, "choices": out, "usage": usage_}
 
 
+class Relayed(dict):
+    """A streamed chunk as an engine sent it: decoded, for the router to read, and its bytes (``raw``), which go to
+    the client as they came. A chunk the router changes is a new dict, encoded anew. Saves a JSON encoding per
+    token of a stream (json.dumps took a quarter of the router's CPU for a streamed completion)."""
+
+    __slots__ = ("raw",)
+
+    @classmethod
+    def of(cls, decoded: object, raw: bytes) -> object:
+        """``decoded`` (the JSON of ``raw``) as a ``Relayed`` where it is an object."""
+        if not isinstance(decoded, dict):
+            return decoded
+        out = cls(decoded)
+        out.raw = raw
+        return out
+
+
 def sse(data: dict | str) -> bytes:
     """One server-sent event."""
+    if type(data) is Relayed:
+        return b"data: " + data.raw + b"\n\n"
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 

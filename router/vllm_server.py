@@ -43,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.router.http_pool import HttpPool
 from kvledger.router.kv_connector import KvConnector, connector_of
+from kvledger.router.openai_types import Relayed
 from kvledger.router.vllm_onboard import ONBOARD_SAMPLES, OnboardMeter
 
 COMPLETIONS = "/v1/completions"
@@ -232,7 +233,7 @@ class VllmServer:
                     for line in lines:
                         if line.startswith(b"data:"):
                             data = line[5:].strip()
-                            yield "[DONE]" if data == b"[DONE]" else _decode(data)
+                            yield "[DONE]" if data == b"[DONE]" else Relayed.of(_decode(data), data)
         except OSError as e:
             raise EngineUnreachableError(f"vLLM server {self.url}: streamed completion: {e!r}") from e
 

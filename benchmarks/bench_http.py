@@ -110,21 +110,6 @@ async def _burst(url: str, model: str, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def session_cpu_s(session: int | None) -> float:
-    """User and system seconds of every live process in ``session`` (a router and its children); 0 for none."""
-    if session is None:
-        return 0.0
-    ticks = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:   # it exited
-            continue
-        if int(fields[3]) == session:   # the fields after the name: state, ppid, pgrp, session, ...
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _streams(url: str, model: str, n: int, concurrency: int, tokens: int) -> float:
     """``n`` streamed completions of ``tokens`` tokens, ``concurrency`` in flight: streams per second."""
     body = {"model": model, "max_tokens": tokens, "ignore_eos": True, "stream": True}
@@ -142,19 +127,20 @@ def _streams(url: str, model: str, n: int, concurrency: int, tokens: int) -> flo
         return n / (time.perf_counter() - t0)
 
 
-def measure(targets: list[tuple[str, str, int | None]], model: str, args: argparse.Namespace) -> list[Figures]:
+def measure(targets: list[tuple[str, str, RouterProcess | None]], model: str,
+            args: argparse.Namespace) -> list[Figures]:
     """One round: a burst to each target that warms every connection (and the router's threads) up; every
     target's sequential latency, the targets interleaved; then each one's rate at ``--concurrency`` in flight,
-    and its streams, in turn. ``targets``: name, URL and the router's process session (``None``: direct)."""
+    and its streams, in turn. ``targets``: name, URL and the router (``None``: direct)."""
     for _, url, _ in targets:
         asyncio.run(_burst(url, model, WARMUP * args.concurrency // 4, args.concurrency))
     lat = sequential([(name, url) for name, url, _ in targets], model, args.requests)
     round_ = []
-    for name, url, session in targets:
+    for name, url, router in targets:
         rate = asyncio.run(_burst(url, model, args.burst, args.concurrency))
-        cpu0 = session_cpu_s(session)
+        cpu0 = router.cpu_s() if router else 0.0
         streams = _streams(url, model, args.streams, args.stream_concurrency, args.stream_tokens)
-        cpu_ms = (session_cpu_s(session) - cpu0) / args.streams * 1e3
+        cpu_ms = ((router.cpu_s() if router else 0.0) - cpu0) / args.streams * 1e3
         f = Figures(name, statistics.median(lat[name]), float(np.percentile(lat[name], 99)), rate, streams, cpu_ms)
         print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s; {streams:.1f} streams/s, "
               f"router CPU {cpu_ms:.2f} ms per stream", flush=True)
@@ -220,7 +206,7 @@ def main() -> None:
             try:
                 for name in ("kvledger kv", *(() if args.no_peers else PEERS)):
                     routers.append(start_router(name, [url], [event], model))
-                targets = [("direct", url, None), *((r.name, r.url, r.proc.pid) for r in routers)]
+                targets = [("direct", url, None), *((r.name, r.url, r) for r in routers)]
                 rounds = []
                 for i in range(args.rounds):
                     print(f"round {i + 1}", flush=True)

@@ -177,6 +177,8 @@ class RunResult:
     wall_s: float = 0.0
     learned: str = ""
     """kvledger's: the seconds per prompt token it learned of each engine (``GET /v1/cluster``)."""
+    router_cpu_s: float = 0.0
+    """The router's processes' CPU over the run (``RouterProcess.cpu_s``)."""
 
     def hit_rate(self) -> float:
         prompt = sum(c.prompt_tokens for c in self.counts)
@@ -271,9 +273,9 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
     try:
         if background is not None:
             time.sleep(1.0)   # the other tenant's decodes under way
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), router.cpu_s()
         ttft, itl, failed = replay(router, trace, model, concurrency)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, router.cpu_s() - cpu0
         learned = learned_rates(router.url) if isinstance(router, KvledgerRouter) else ""
     finally:
         if background is not None:
@@ -284,7 +286,7 @@ def run(name: str, urls: list[str], events: list[str], model: str, trace: Trace,
         counts = [EngineTotals.read(c, u).since(b) for u, b in zip(urls, before)]
     if background is not None:   # the other tenant's own requests, as they were answered
         counts[0] = counts[0].since(EngineTotals(background.prompt, background.cached, background.requests))
-    return RunResult(name, ttft, itl, failed, counts, wall, learned)
+    return RunResult(name, ttft, itl, failed, counts, wall, learned, cpu)
 
 
 def learned_rates(url: str) -> str:
@@ -316,7 +318,7 @@ def report(title: str, rounds: list[list[RunResult]], bound: float) -> None:
 def _table(results: list[RunResult], bound: float) -> None:
     slow_head = f"engine TTFT > {SLOW_FIRST_TOKEN_S:g} s"
     print(f"{'router':<26} {'hit rate':>8} {'/bound':>7} {'requests per engine':>22} {'TTFT p50':>9} {'p90':>7} "
-          f"{'p99':>7} {'req/s':>6} {'failed':>6} {'preempted per engine':>21} {slow_head:>18}")
+          f"{'p99':>7} {'req/s':>6} {'failed':>6} {'preempted per engine':>21} {slow_head:>18} {'CPU ms/req':>10}")
     for r in results:
         split = " / ".join(f"{c.requests:.0f}" for c in r.counts)
         preempted = " / ".join(f"{c.preemptions:.0f}" for c in r.counts)
@@ -324,7 +326,7 @@ def _table(results: list[RunResult], bound: float) -> None:
         of_bound = f"{r.hit_rate() / bound:>7.2f}" if bound else f"{'-':>7}"
         print(f"{r.router:<26} {r.hit_rate():>8.1%} {of_bound} {split:>22} {pct(r.ttft, 50):>8.3f}s "
               f"{pct(r.ttft, 90):>6.3f}s {pct(r.ttft, 99):>6.3f}s {r.rate():>6.1f} {r.failed:>6} {preempted:>21} "
-              f"{slow:>18}")
+              f"{slow:>18} {r.router_cpu_s / max(len(r.ttft), 1) * 1e3:>10.2f}")
     ours = results[0]
     print(f"{ours.router} learned seconds per uncached prompt token: {ours.learned or '-'}")
 

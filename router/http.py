@@ -452,8 +452,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
                     priority=body.priority, model=model, fields=fields, chat=chat, n=body.n, caller=who,
                     session=session)
         if body.stream:
-            return StreamingResponse(ThreadedStream(_relay(service.stream(tokens, **args), body.include_usage),
-                                                    threads), media_type="text/event-stream")
+            return streamed(_relay(service.stream(tokens, **args), body.include_usage))
         result = service.complete(tokens, **args)
         return _answer(result)
 
@@ -467,6 +466,10 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
         (anyio's default, which held every completion past the 40th back, unanswered and unrefused). A plain
         executor: anyio's limiter and worker queue cost twice its time per hop."""
         return asyncio.get_running_loop().run_in_executor(threads, fn)
+
+    def streamed(events: Iterator[bytes]) -> StreamingResponse:
+        """A generation's server-sent events, drained on a thread of the same pool (``router.thread_stream``)."""
+        return StreamingResponse(ThreadedStream(events, threads), media_type="text/event-stream")
 
     @app.post("/v1/completions", responses=GENERATED, openapi_extra=_documented(CompletionBody))
     async def completions(request: Request) -> Response:
@@ -513,8 +516,7 @@ def make_app(service: RouterService, keys: ApiKeys | None = None, ready: threadi
                     "priority": body.priority, "model": model, "fields": fields, "chat": True, "responses": True,
                     "rank": None if before is None else before.rank, "caller": who, "session": session}
             if body.stream:
-                return StreamingResponse(ThreadedStream(_relay_responses(service.stream(tokens, **args), remember),
-                                                        threads), media_type="text/event-stream")
+                return streamed(_relay_responses(service.stream(tokens, **args), remember))
             result = service.complete(tokens, **args)
             remember(result.answer, result.rank)
             return _answer(result)

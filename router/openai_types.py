@@ -349,11 +349,13 @@ class Relayed(dict):
         return out
 
 
-def sse(data: dict | str) -> bytes:
-    """One server-sent event."""
+def sse(data: dict | str, ensure_ascii: bool = True) -> bytes:
+    """One server-sent event: a ``Relayed`` chunk as the engine wrote it, else encoded (``ensure_ascii`` as
+    ``json.dumps``)."""
     if type(data) is Relayed:
         return b"data: " + data.raw + b"\n\n"
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=ensure_ascii)
+    return f"data: {text}\n\n".encode()
 
 
 def answer_chunks(answer: dict, chat: bool) -> Iterator[dict | str]:

@@ -33,7 +33,7 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 
-from kvledger.router.openai_types import ParamError, Relayed
+from kvledger.router.openai_types import ParamError, sse
 
 #: vLLM's names: a namespaced tool is flattened to ``<namespace>__<name>``; a custom tool's free text travels as the
 #: one string argument of a function (``tool_parsers/utils.py``).
@@ -191,8 +191,4 @@ def sse_event(event: dict | str) -> bytes:
     """One server-sent event as vLLM writes a Responses event: named by its ``type`` (vLLM's
     ``_convert_stream_to_sse_events`` names each by the ``type`` it carries); one without (an error) is data only."""
     name = event.get("type") if isinstance(event, dict) else None
-    head = f"event: {name}\n".encode() if name else b""
-    if type(event) is Relayed:
-        return head + b"data: " + event.raw + b"\n\n"
-    data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return head + f"data: {data}\n\n".encode()
+    return (f"event: {name}\n".encode() if name else b"") + sse(event, ensure_ascii=False)

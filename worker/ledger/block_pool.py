@@ -179,11 +179,10 @@ class BlockPool:
         # the consumer's to ignore)
         removals = [BlockRemoved([g.block_hash for g in gone], medium, window)
                     for gone, medium in ((dropped, old), (displaced, new)) if gone]
-        for gone in (dropped, displaced):
-            if gone:
-                self.tree.detach_n(gone)
-                self._wipe_n(gone)
-        self.events.put_n(removals + events if removals else events)
+        gone = dropped + displaced
+        self.tree.detach_n(gone)
+        self._wipe_n(gone)
+        self.events.put_n(removals + events)
 
     def _clean(self, b: Block) -> Block:
         """A clean primary block in place of claimed stored victim ``b``: offloaded when its priority earns that and

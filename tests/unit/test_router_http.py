@@ -3,6 +3,7 @@ in-process ranks behind it."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -54,6 +55,20 @@ def test_binds_loopback_and_reports_health(router):
     assert str(client.base_url).startswith("http://127.0.0.1:")
     r = client.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok", "live_ranks": [0, 1]}
+
+
+def test_a_kept_alive_connection_still_answers_after_six_idle_seconds(router):
+    """uvicorn's own keep-alive (5 s) lost requests: a request sent on a kept-alive connection while the router's
+    event loop was held up found the connection closed by the late timer (``http.KEEP_ALIVE_S``)."""
+    _, _, client = router
+    host, port = client.base_url.host, client.base_url.port
+    request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    with socket.create_connection((host, port), timeout=10.0) as sock:
+        for wait_s in (0.0, 6.0):
+            time.sleep(wait_s)
+            sock.sendall(request)
+            head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200 OK"), (wait_s, head)
 
 
 def test_completions_report_the_real_reused_count(router):

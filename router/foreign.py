@@ -110,16 +110,22 @@ class ForeignFeed:
         return None if entry is None else entry[0]
 
     def apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
-        """Translate and apply batch ``seq`` of foreign ``rank``; the map changes only if the index applies it."""
+        """Translate and apply batch ``seq`` of foreign ``rank``; the map changes only if the index applies it.
+        Its events are checked first (``TypeError`` or ``ValueError``, changing nothing)."""
         if not isinstance(batch, EventBatch):
             raise TypeError(f"batch must be a kvledger.worker.wire.events.EventBatch, got {type(batch).__name__}")
+        if type(batch.events) is not list:
+            raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
+        for i, ev in enumerate(batch.events):
+            check_event(ev, f"events[{i}]")
+        return self.apply_decoded(rank, seq, batch)
+
+    def apply_decoded(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+        """``apply`` for a batch the codec decoded (``decode_batch``): its events are not checked again, nor are
+        the ones translated from them (a check cost as much as the translation and the apply together)."""
         index = self._index
         result = index.check(rank, seq)   # a gap, duplicate or restart needs nothing translated
         if result is None:
-            if type(batch.events) is not list:
-                raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
-            for i, ev in enumerate(batch.events):
-                check_event(ev, f"events[{i}]")
             if rank in self._learning:
                 sizes = [ev.block_size for ev in batch.events if type(ev) is BlockStored]
                 if sizes:
@@ -130,7 +136,7 @@ class ForeignFeed:
             events = [out for i, ev in enumerate(batch.events)
                       if (out := self._translate(overlay, ev, i, tpb)) is not None]
             translated = EventBatch(batch.ts, events, batch.rank)
-            result = index.apply(rank, seq, translated)
+            result = index.apply_decoded(rank, seq, translated)
             if result.applied:
                 self._maps[rank] = overlay.merged()
                 if self._on_applied is not None:

@@ -143,6 +143,11 @@ class SequencedIndex:
             raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
         for i, ev in enumerate(batch.events):
             check_event(ev, f"events[{i}]")
+        return self.apply_decoded(rank, seq, batch)
+
+    def apply_decoded(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
+        """``apply`` for a batch whose events the codec decoded (``decode_batch``), or that the router built from
+        such events (``router.foreign``): they are not checked again, a check costing as much as applying them."""
         return self.check(rank, seq) or self._apply(rank, seq, batch)
 
     def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry], next_seq: int) -> None:

@@ -172,7 +172,7 @@ class VllmEventSubscriber:
         try:
             decoded = decode_batch(payload)
             with self.lock:
-                result = self.feed.apply(self.rank, seq, EventBatch(decoded.ts, decoded.events, self.rank))
+                result = self.feed.apply_decoded(self.rank, seq, EventBatch(decoded.ts, decoded.events, self.rank))
             if result.applied:
                 self.stats.batches_applied += 1
             return result
@@ -184,7 +184,7 @@ class VllmEventSubscriber:
         except (TypeError, ValueError) as e:
             self.feed.rejections.add(self.rank, INVALID, f"batch {seq} from {self.endpoint}: {e}")
         with self.lock:
-            return self.feed.apply(self.rank, seq, EventBatch(0.0, [], self.rank))
+            return self.feed.apply_decoded(self.rank, seq, EventBatch(0.0, [], self.rank))
 
     def _handle(self, seq: int, payload: bytes) -> None:
         result = self._apply(seq, payload)

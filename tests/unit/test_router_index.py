@@ -253,6 +253,18 @@ def test_foreign_mapping_is_per_rank_and_refcounted():
     assert feed.mapped(1, 2) is None           # rank 1 named the same prefix 5, 6
 
 
+def test_foreign_events_built_in_process_are_checked_before_anything_changes():
+    """``apply`` takes events from any caller, so it checks them as the codec would (``apply_decoded``, which the
+    vLLM subscriber uses for what ``decode_batch`` returned, does not check again)."""
+    index = make_index()
+    feed = ForeignFeed(index)
+    with pytest.raises(ValueError, match=r"events\[1\]\.block_hashes"):
+        feed.apply(0, 0, batch(BlockStored([1], None, [1, 2, 3, 4], TPB), BlockStored([-2], 1, [5, 6, 7, 8], TPB)))
+    assert feed.mapped(0, 1) is None and index.next_seq(0) == 0 and index.num_blocks() == 0
+    assert feed.apply_decoded(0, 0, batch(BlockStored([1], None, [1, 2, 3, 4], TPB))).applied
+    assert feed.mapped(0, 1) == _ours([1, 2, 3, 4])[0]
+
+
 def test_foreign_unknown_parent_and_unknown_removal_are_skipped():
     index = make_index()
     feed = ForeignFeed(index)

@@ -12,11 +12,12 @@ turn, in one run:
 
 For each: the sequential latency p50/p99 of text completions of ``max_tokens`` 1
 (each prompt its own), and what it adds over going direct; then requests per
-second with ``--concurrency`` in flight, and its ratio to direct; then streamed
-completions of ``--stream-tokens`` tokens, ``--stream-concurrency`` in flight:
-streams per second against direct's, and the router's CPU per stream (its
-processes' user and system time from ``/proc``: what it takes from the engine
-on a shared machine). Every router
+second with ``--concurrency`` in flight, its ratio to direct, and the router's
+CPU per request (its processes' user and system time from ``/proc``: what it
+takes from the engine on a shared machine, steadier than the rate, which moves
+with the machine by 1.5x between rounds); then streamed completions of
+``--stream-tokens`` tokens, ``--stream-concurrency`` in flight: streams per
+second against direct's, and the router's CPU per stream. Every router
 is started first. In each of ``--rounds`` rounds the sequential requests go to
 the targets in turn, request by request (the machine is shared, and the
 server's own latency drifts by 2x over a run: a slow spell then falls on every
@@ -69,6 +70,8 @@ class Figures:
     streams_s: float
     stream_cpu_ms: float
     """The router's CPU per streamed completion (0 for direct)."""
+    req_cpu_ms: float
+    """The router's CPU per short completion of the burst (0 for direct)."""
 
 
 def body(model: str, i: int) -> dict:
@@ -137,13 +140,17 @@ def measure(targets: list[tuple[str, str, RouterProcess | None]], model: str,
     lat = sequential([(name, url) for name, url, _ in targets], model, args.requests)
     round_ = []
     for name, url, router in targets:
+        def cpu() -> float:
+            return router.cpu_s() if router else 0.0
+        cpu0 = cpu()
         rate = asyncio.run(_burst(url, model, args.burst, args.concurrency))
-        cpu0 = router.cpu_s() if router else 0.0
+        cpu1 = cpu()
         streams = _streams(url, model, args.streams, args.stream_concurrency, args.stream_tokens)
-        cpu_ms = ((router.cpu_s() if router else 0.0) - cpu0) / args.streams * 1e3
-        f = Figures(name, statistics.median(lat[name]), float(np.percentile(lat[name], 99)), rate, streams, cpu_ms)
-        print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s; {streams:.1f} streams/s, "
-              f"router CPU {cpu_ms:.2f} ms per stream", flush=True)
+        req_ms, cpu_ms = (cpu1 - cpu0) / args.burst * 1e3, (cpu() - cpu1) / args.streams * 1e3
+        f = Figures(name, statistics.median(lat[name]), float(np.percentile(lat[name], 99)), rate, streams, cpu_ms,
+                    req_ms)
+        print(f"  {name}: p50 {f.p50_ms:.2f} ms, p99 {f.p99_ms:.2f} ms, {f.req_s:.1f} req/s, router CPU {req_ms:.2f} ms "
+              f"per request; {streams:.1f} streams/s, router CPU {cpu_ms:.2f} ms per stream", flush=True)
         round_.append(f)
     return round_
 
@@ -151,14 +158,15 @@ def measure(targets: list[tuple[str, str, RouterProcess | None]], model: str,
 def report(rounds: list[list[Figures]], concurrency: int) -> None:
     """The medians of every target's rounds, then the goals, each figure paired with direct's in its own round
     (a slow spell of the shared machine falls on both sides of a pair) and the median of the pairs taken."""
-    keys = ("p50_ms", "p99_ms", "req_s", "streams_s", "stream_cpu_ms")
+    keys = ("p50_ms", "p99_ms", "req_s", "streams_s", "stream_cpu_ms", "req_cpu_ms")
     results = [Figures(f[0].name, *(statistics.median(getattr(x, k) for x in f) for k in keys)) for f in zip(*rounds)]
     direct = results[0]
     print(f"\n{'target':<26} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} "
-          f"{f'req/s @{concurrency}':>10} {'/direct':>8} {'streams/s':>10} {'/direct':>8} {'CPU ms/stream':>14}")
+          f"{f'req/s @{concurrency}':>10} {'/direct':>8} {'CPU ms/req':>11} {'streams/s':>10} {'/direct':>8} "
+          f"{'CPU ms/stream':>14}")
     for f in results:
         print(f"{f.name:<26} {f.p50_ms:>7.2f} {f.p99_ms:>7.2f} {f.p50_ms - direct.p50_ms:>8.2f} "
-              f"{f.p99_ms - direct.p99_ms:>8.2f} {f.req_s:>10.1f} {f.req_s / direct.req_s:>8.2f} "
+              f"{f.p99_ms - direct.p99_ms:>8.2f} {f.req_s:>10.1f} {f.req_s / direct.req_s:>8.2f} {f.req_cpu_ms:>11.2f} "
               f"{f.streams_s:>10.1f} {f.streams_s / direct.streams_s:>8.2f} {f.stream_cpu_ms:>14.2f}")
 
     def paired(i: int, what: Callable[[Figures, Figures], float]) -> float:
@@ -175,8 +183,9 @@ def report(rounds: list[list[Figures]], concurrency: int) -> None:
         over = statistics.median(r[1].p50_ms - r[best].p50_ms for r in rounds)   # its addition less the peer's
         print(f"kvledger: +{over:.2f} ms at p50 over {results[best].name}'s addition (paired), / goal "
               f"{over / ADDED_MS_GOAL:.2f} (goal <= {ADDED_MS_GOAL:g} ms: ratio <= 1)")
-        cpu = statistics.median(r[1].stream_cpu_ms / r[best].stream_cpu_ms for r in rounds if r[best].stream_cpu_ms)
-        print(f"kvledger: {cpu:.2f}x {results[best].name}'s CPU per streamed completion (paired)")
+        for what, key in (("short completion", "req_cpu_ms"), ("streamed completion", "stream_cpu_ms")):
+            cpu = statistics.median(getattr(r[1], key) / getattr(r[best], key) for r in rounds if getattr(r[best], key))
+            print(f"kvledger: {cpu:.2f}x {results[best].name}'s CPU per {what} (paired)")
 
 
 def main() -> None:

@@ -87,7 +87,7 @@ SPARE_THREADS = 32
 #: Seconds a client's idle connection is kept open (uvicorn's default is 5). uvicorn closes it when its timer
 #: fires, and after the event loop was held up (a starved machine) expired timers run before the sockets are read:
 #: a request the client had sent meanwhile on that connection was lost unanswered, a ``ReadError`` at the client
-#: (4 of 9,000 completions at 64 in flight on this 2-core machine; with the timer at 0.2 s, 17 to 44 of 1,000).
+#: (4 of 9,000 completions at 64 in flight on this 2-core machine; with the timer at 0.2 s, 13 to 44 of 1,000).
 #: Clients that pool connections (the OpenAI client, httpx) close idle ones themselves, after 5 s by default.
 KEEP_ALIVE_S = 75.0
 

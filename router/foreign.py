@@ -42,7 +42,7 @@ from kvledger.router.refs import held_on, tier_unit
 from kvledger.router.rejections import UNKNOWN_HASH, UNKNOWN_PARENT, Rejections
 from kvledger.worker.wire.block_key import ROOT_HASH, block_keys, chain_hashes
 from kvledger.worker.wire.events import (AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, EventBatch,
-                                         KVCacheCreated, KVEvent, check_event)
+                                         KVCacheCreated, KVEvent, check_batch)
 
 
 @dataclass(slots=True)
@@ -112,12 +112,7 @@ class ForeignFeed:
     def apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
         """Translate and apply batch ``seq`` of foreign ``rank``; the map changes only if the index applies it.
         Its events are checked first (``TypeError`` or ``ValueError``, changing nothing)."""
-        if not isinstance(batch, EventBatch):
-            raise TypeError(f"batch must be a kvledger.worker.wire.events.EventBatch, got {type(batch).__name__}")
-        if type(batch.events) is not list:
-            raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
-        for i, ev in enumerate(batch.events):
-            check_event(ev, f"events[{i}]")
+        check_batch(batch)
         return self.apply_decoded(rank, seq, batch)
 
     def apply_decoded(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:

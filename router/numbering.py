@@ -142,7 +142,8 @@ class SequencedIndex:
 
     def apply_decoded(self, rank: int, seq: int, batch: EventBatch) -> ApplyResult:
         """``apply`` for a batch whose events the codec decoded (``decode_batch``), or that the router built from
-        such events (``router.foreign``): they are not checked again, a check costing as much as applying them."""
+        such events (``router.foreign``): they are not checked again (checking took over a quarter of the intake's
+        CPU)."""
         return self.check(rank, seq) or self._apply(rank, seq, batch)
 
     def load_snapshot(self, rank: int, blocks: Iterable[SnapshotEntry], next_seq: int) -> None:

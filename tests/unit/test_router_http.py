@@ -2,8 +2,8 @@
 in-process ranks behind it."""
 from __future__ import annotations
 
+import http.client
 import json
-import socket
 import threading
 import time
 
@@ -62,21 +62,18 @@ def test_a_kept_alive_connection_still_answers_after_six_idle_seconds(router):
     event loop was held up found the connection closed by the late timer (``http.KEEP_ALIVE_S``)."""
     _, _, client = router
     host, port = client.base_url.host, client.base_url.port
-    request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
-    with socket.create_connection((host, port), timeout=10.0) as sock, sock.makefile("rb") as answers:
+    conn = http.client.HTTPConnection(host, port, timeout=10.0)
+    try:
+        conn.connect()
+        sock = conn.sock
         for wait_s in (0.0, 6.0):
             time.sleep(wait_s)
-            sock.sendall(request)
-            status = answers.readline()
-            assert status.startswith(b"HTTP/1.1 200 OK"), (wait_s, status)
-            headers = {}
-            for _ in range(32):   # bounded: the headers end with an empty line
-                line = answers.readline()
-                if line in (b"\r\n", b""):
-                    break
-                name, value = line.rstrip(b"\r\n").split(b": ", 1)
-                headers[name.lower()] = value
-            assert json.loads(answers.read(int(headers[b"content-length"])))["status"] == "ok"
+            conn.request("GET", "/health")   # http.client reopens only a socket it closed itself
+            answer = conn.getresponse()
+            assert answer.status == 200 and json.loads(answer.read())["status"] == "ok", wait_s
+            assert conn.sock is sock
+    finally:
+        conn.close()
 
 
 def test_completions_report_the_real_reused_count(router):

@@ -97,21 +97,22 @@ def test_each_cores_load_is_its_own(router) -> None:
     Four choices of 1900 tokens, not streamed: the server is busy streaming otherwise, and its ``/metrics``
     then answers in seconds (measured: 2 s), after a shorter generation has ended. The sampler runs in this
     process beside the router's threads: in the whole suite its first 0.1 s wait once returned only after the 2.8 s
-    generation had ended (the process stalled; why is not known), so a generation it took no sample of runs again,
-    at most ``ATTEMPTS`` times."""
+    generation had ended (the process stalled; why is not known), and once it took one sample, both gauges at 0,
+    before the generation ended (a fresh clone's run, 2026-12-08), so a generation no sample saw running runs
+    again, at most ``ATTEMPTS`` times."""
     service, _ = router
     busy, idle = service.engines.engine(1001), service.engines.engine(1000)
     stalls = []
     for attempt in range(ATTEMPTS):
         took, seen = _sample_loads(busy, idle, Generation(10 + attempt * 10, prompt(8, 50), 1900, n=4,
                                                           fields={"temperature": 1.0, "ignore_eos": True}))
-        if seen:
+        if any(b.running_requests for b, _ in seen):
             break
-        stalls.append(took)
+        stalls.append((took, len(seen)))
     running = [(b.running_requests, i.running_requests + i.queued_requests) for b, i in seen]
     assert any(b >= 1 and i == 0 for b, i in running), (
-        f"core 1 never reported its requests alone: {running}; generations (seconds) no sample was taken of: "
-        f"{stalls}")
+        f"core 1 never reported its requests alone: {running}; generations no sample saw running (seconds, "
+        f"samples): {stalls}")
 
 
 def _sample_loads(busy, idle, job: Generation) -> tuple[float, list]:
